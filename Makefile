@@ -1,0 +1,27 @@
+# `make demo` and `make test` each create .venv if it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.partita-installed
+
+.PHONY: demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: an unpinned torch would pull the CUDA build (GBs)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q numpy pytest pytest-timeout transformers matplotlib
+	$(PY) -m pip install -q --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/partita run -n 4 examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	for b in bench/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) partita-logs .pytest_cache

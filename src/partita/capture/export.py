@@ -1,0 +1,313 @@
+"""Capture an unmodified module's graph with torch.export (non-strict).
+
+The user's call `model(*args, **kwargs)` is flattened: tensors become the graph's inputs (their dim 0 is the
+batch, captured as a dynamic dimension), everything else (numbers, None, strings) is a constant of the
+capture, so a call with other constants is captured again. The result keeps the lifted graph, with
+parameters and buffers as placeholders mapped to their original names, so the splitter can hand each stage
+exactly the tensors it uses, the same tensor objects the user's model and optimizer hold.
+"""
+
+from __future__ import annotations
+
+import linecache
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch.export import Dim, export
+from torch.export.graph_signature import InputKind, OutputKind
+
+from partita.errors import BatchError, CaptureError
+
+_ROOT = "model"  # name of the user's module inside the flattening wrapper
+
+
+@dataclass(frozen=True)
+class CallSignature:
+    """How one call's (args, kwargs) map to flat tensors, and what must match for a capture to be reused."""
+
+    in_spec: pytree.TreeSpec
+    constants: tuple[Any, ...]  # per leaf: _TENSOR or the constant value
+    tensor_meta: tuple[tuple[int, torch.dtype, bool], ...]  # per tensor: (ndim, dtype, requires_grad)
+
+    @property
+    def key(self) -> tuple:
+        return (str(self.in_spec), tuple(map(repr, self.constants)), self.tensor_meta)
+
+    def unflatten(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
+        it = iter(tensors)
+        leaves = [next(it) if c is _TENSOR else c for c in self.constants]
+        return pytree.tree_unflatten(leaves, self.in_spec)
+
+
+class _TensorSlot:
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+_TENSOR = _TensorSlot()
+
+
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], CallSignature]:
+    """Split a call into its tensors (batched along dim 0) and a signature that describes the rest."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    for i, t in enumerate(tensors):
+        if t.dim() == 0:
+            raise BatchError(
+                f"input tensor #{i} is a 0-dim tensor; partita splits every tensor input along dim 0 "
+                "(the batch). Pass a Python number instead, or give the tensor a batch dimension."
+            )
+    constants = tuple(_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves)
+    meta = tuple((t.dim(), t.dtype, t.requires_grad) for t in tensors)
+    return tensors, CallSignature(spec, constants, meta)
+
+
+class _FlatCall(nn.Module):
+    """Calls the user's module from flat tensors, so every tensor can be given a dynamic batch dim."""
+
+    def __init__(self, model: nn.Module, signature: CallSignature):
+        super().__init__()
+        setattr(self, _ROOT, model)
+        self.signature = signature
+
+    def forward(self, *tensors):
+        args, kwargs = self.signature.unflatten(list(tensors))
+        return getattr(self, _ROOT)(*args, **kwargs)
+
+
+@dataclass
+class CapturedGraph:
+    """One mode's graph of the user's model, with parameters and buffers lifted to named inputs."""
+
+    gm: fx.GraphModule
+    training: bool
+    signature: CallSignature
+    user_inputs: list[str]  # placeholder names of the call's tensors, in flat order
+    tensor_of: dict[str, torch.Tensor]  # placeholder name -> the user's parameter / buffer / constant
+    fqn_of: dict[str, str]  # placeholder name -> original FQN (parameters and buffers)
+    parameters: set[str]  # placeholder names that are parameters
+    outputs: list[Any]  # user output leaves: fx.Node or a constant, in out_spec order
+    out_spec: pytree.TreeSpec
+    buffer_updates: list[tuple[str, str]] = field(default_factory=list)  # (value node, buffer placeholder)
+    requires_grad: dict[str, bool] = field(default_factory=dict)  # node name -> its tensor needs a gradient
+
+    def node(self, name: str) -> fx.Node:
+        return _node_index(self.gm)[name]
+
+
+_NODE_INDEX: dict[int, dict[str, fx.Node]] = {}
+
+
+def _node_index(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    key = id(gm.graph)
+    if key not in _NODE_INDEX:
+        _NODE_INDEX[key] = {n.name: n for n in gm.graph.nodes}
+    return _NODE_INDEX[key]
+
+
+def _strip(fqn: str) -> str:
+    return fqn[len(_ROOT) + 1:] if fqn.startswith(_ROOT + ".") else fqn
+
+
+def _example_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inputs for tracing with a batch of at least 2, so that export keeps the batch dim symbolic."""
+    out = []
+    for t in tensors:
+        if t.shape[0] == 1:
+            t = t.expand(2, *t.shape[1:]).contiguous()
+        elif t.shape[0] == 0:
+            t = t.new_zeros((2, *t.shape[1:]))
+        out.append(t)
+    return out
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict) -> CapturedGraph:
+    """Capture `model(*args, **kwargs)` in the model's current train/eval mode."""
+    tensors, signature = flatten_call(args, kwargs)
+    wrapper = _FlatCall(model, signature)
+    examples = _example_inputs(tensors)
+    dynamic = (tuple({0: Dim.AUTO} for _ in examples),)
+    tracker = _ModuleTracker(model)
+    try:
+        with tracker:
+            ep = export(wrapper, tuple(examples), dynamic_shapes=dynamic, strict=False)
+    except Exception as e:  # noqa: BLE001 - translated into an actionable CaptureError
+        raise _capture_error(model, tracker, e) from e
+    return _from_exported(ep, model.training, signature)
+
+
+def _from_exported(ep, training: bool, signature: CallSignature) -> CapturedGraph:
+    gm = ep.graph_module
+    tensor_of: dict[str, torch.Tensor] = {}
+    fqn_of: dict[str, str] = {}
+    parameters: set[str] = set()
+    user_inputs: list[str] = []
+    state = {**ep.state_dict, **ep.constants}
+    for spec in ep.graph_signature.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(name)
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            tensor_of[name] = state[spec.target]
+            fqn_of[name] = _strip(spec.target)
+            if spec.kind == InputKind.PARAMETER:
+                parameters.add(name)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            tensor_of[name] = state[spec.target]
+        else:
+            raise CaptureError(
+                f"the captured graph has an input of kind {spec.kind.name} ({name}), which partita cannot "
+                "place on a pipeline stage. Models with custom objects or effect tokens are not supported."
+            )
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    out_args = list(out_node.args[0])
+    outputs: list[Any] = []
+    updates: list[tuple[str, str]] = []
+    buffer_placeholder = {fqn: name for name, fqn in fqn_of.items() if name not in parameters}
+    for spec, arg in zip(ep.graph_signature.output_specs, out_args):
+        if spec.kind == OutputKind.USER_OUTPUT:
+            outputs.append(arg)
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            updates.append((arg.name, buffer_placeholder[_strip(spec.target)]))
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION:
+            raise CaptureError(
+                f"the model writes in place into its input '{spec.target}'. partita runs each stage on its "
+                "own copy of the inputs, so the caller would not see that write. Clone the input inside "
+                "forward() before changing it."
+            )
+        else:
+            raise CaptureError(f"the captured graph has an output of kind {spec.kind.name}, not supported")
+    cap = CapturedGraph(
+        gm=gm, training=training, signature=signature, user_inputs=user_inputs, tensor_of=tensor_of,
+        fqn_of=fqn_of, parameters=parameters, outputs=outputs, out_spec=ep.call_spec.out_spec,
+        buffer_updates=updates,
+    )
+    cap.requires_grad = _requires_grad(cap)
+    return cap
+
+
+def _requires_grad(cap: CapturedGraph) -> dict[str, bool]:
+    """Which values autograd tracks, found by running the graph once on meta tensors.
+
+    The exported graph's fake values do not record it, and pipeline stages must know it up front: only
+    values that require grad get a gradient sent back.
+    """
+    from partita.capture.shapes import shape_at
+
+    flags = dict(zip(cap.user_inputs, (rg for _, _, rg in cap.signature.tensor_meta)))
+    args = []
+    for node in cap.gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta["val"]
+        t = torch.empty(shape_at(val, 2), dtype=val.dtype, device="meta")
+        wanted = cap.tensor_of[node.name].requires_grad if node.name in cap.tensor_of else flags[node.name]
+        args.append(t.requires_grad_(wanted) if t.is_floating_point() or t.is_complex() else t)
+    out: dict[str, bool] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n):
+            result = super().run_node(n)
+            if isinstance(result, torch.Tensor):
+                out[n.name] = result.requires_grad
+            return result
+
+    with torch.enable_grad():
+        Recorder(cap.gm).run(*args)
+    return out
+
+
+class _ModuleTracker:
+    """Remembers which submodule was running when capture failed."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.stack: list[str] = []
+        self.failed_in: list[str] | None = None
+        self.handles: list = []
+
+    def __enter__(self):
+        for name, mod in self.model.named_modules():
+            self.handles.append(mod.register_forward_pre_hook(self._enter(name)))
+            self.handles.append(mod.register_forward_hook(self._leave()))
+        return self
+
+    def _enter(self, name):
+        def hook(mod, args):
+            self.stack.append(name)
+        return hook
+
+    def _leave(self):
+        def hook(mod, args, out):
+            if self.stack:
+                self.stack.pop()
+        return hook
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is not None and self.failed_in is None:
+            self.failed_in = list(self.stack)
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        return False
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the traceback that is the user's code (not torch, not partita)."""
+    skip = ("/torch/", "/partita/", "/site-packages/", "<frozen", "/lib/python3")
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if not any(s in f.filename for s in skip)]
+    if user:
+        return user[-1]
+    # torch.export re-raises with the failing user frame in the message's stack, not in the traceback
+    for f in reversed(frames):
+        if "/site-packages/torch/" not in f.filename and "/partita/" not in f.filename:
+            return f
+    return None
+
+
+_HINTS = (
+    ("data-dependent", "control flow or shapes depend on tensor values (e.g. `if x.sum() > 0` or "
+     "`x[x > 0]`). Rewrite it with torch.where / torch.cond, or move it out of forward()."),
+    ("DynamicCache", "the model returns a cache object; build it with use_cache=False for training."),
+    ("Constraints violated", "the model fixes the batch size in its code (e.g. `x.view(64, -1)`). Use "
+     "x.shape[0] or -1 for the batch dimension."),
+    ("specialized", "the model fixes the batch size in its code (e.g. `x.view(64, -1)`). Use "
+     "x.shape[0] or -1 for the batch dimension."),
+    ("pytree", "the model takes or returns a custom class. Register it with "
+     "torch.utils._pytree.register_pytree_node, or return tensors, tuples and dicts."),
+)
+
+
+def _capture_error(model: nn.Module, tracker: _ModuleTracker, e: BaseException) -> CaptureError:
+    stack = tracker.failed_in or []
+    where = stack[-1] if stack else ""
+    mod = model.get_submodule(where) if where else model
+    label = f"'{where}' ({type(mod).__name__})" if where else f"the root module ({type(mod).__name__})"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    frame = _user_frame(e)
+    line = ""
+    if frame is not None:
+        src = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+        line = f" at {frame.filename}:{frame.lineno}: `{src}`"
+    text = str(e)
+    hint = next((h for k, h in _HINTS if k in text), "simplify that line so torch.export can trace it, "
+                "or report the model and this message.")
+    return CaptureError(
+        f"partita could not capture {type(model).__name__}: in module {label}{line}: "
+        f"{type(e).__name__}: {first}. What to do: {hint}"
+    )
+
+
+def inputs_on(tensors: list[torch.Tensor], device: torch.device) -> None:
+    """Raise a clear error when an input is not on this rank's device."""
+    for i, t in enumerate(tensors):
+        if t.device != device:
+            raise BatchError(
+                f"input tensor #{i} (shape {tuple(t.shape)}) is on {t.device}, but this rank computes on "
+                f"{device}. Move inputs with .to({str(device)!r}) before calling the model."
+            )

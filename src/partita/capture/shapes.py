@@ -1,0 +1,36 @@
+"""Concrete shapes from the captured graph's symbolic ones (every symbol stands for the batch)."""
+
+from __future__ import annotations
+
+import torch
+
+from partita.errors import PlanError
+
+
+def concrete(x, batch: int, estimate: bool = False):
+    """A symbolic size, or a plain value, with every batch symbol set to `batch`.
+
+    Sizes that depend on tensor values are an error, or with `estimate` taken as `batch` too.
+    """
+    for sym_type, py_type in ((torch.SymInt, int), (torch.SymFloat, float), (torch.SymBool, bool)):
+        if isinstance(x, sym_type):
+            expr = x.node.expr
+            unbacked = [s for s in expr.free_symbols if str(s).startswith("u")]
+            if unbacked and not estimate:
+                raise PlanError(
+                    f"a tensor's size ({expr}) depends on tensor values, not only on the batch size; partita "
+                    "cannot size the buffers that carry it between stages. Keep such ops (nonzero, masked "
+                    "select, ...) inside one stage or make their output size fixed."
+                )
+            return py_type(expr.subs({s: batch for s in expr.free_symbols}))
+    return x
+
+
+def shape_at(val: torch.Tensor, batch: int) -> tuple[int, ...]:
+    return tuple(int(concrete(d, batch)) for d in val.shape)
+
+
+def meta_like(val: torch.Tensor, batch: int, requires_grad: bool) -> torch.Tensor:
+    """An empty meta tensor with `val`'s dtype, at the given batch size."""
+    t = torch.empty(shape_at(val, batch), dtype=val.dtype, device="meta")
+    return t.requires_grad_(requires_grad and (t.is_floating_point() or t.is_complex()))

@@ -1,0 +1,300 @@
+"""Our own splitter: cut a captured graph into one fx module per pipeline stage.
+
+torch's `pipeline()` fails on HF Llama/Qwen2 (pytorch#184361) and its `build_stage` hangs with V-shaped
+schedules, so partita splits the exported graph itself. Each stage module:
+
+- takes the tensors that cross into the stage (user inputs for stage 0), in a fixed order;
+- reads parameters and buffers as attributes that are the user's own tensor objects (a parameter used by
+  several stages is registered in each of them);
+- recomputes shape arithmetic (`sym_size` and friends) from tensors it already has instead of receiving it;
+- returns the tensors later stages need, passing through values that skip a stage; the last stage returns
+  the model's output leaves.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from partita.capture.export import CapturedGraph
+from partita.errors import PlanError
+
+_DROPPED = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+    torch.ops.aten.sym_constrain_range.default,
+    torch.ops.aten._assert_async.msg,
+}
+_SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
+
+def _kind(node: fx.Node, cap: CapturedGraph) -> str:
+    """'input' | 'state' | 'free' | 'drop' | 'item' | 'op' | 'output'."""
+    if node.op == "placeholder":
+        return "input" if node.name in cap.user_inputs else "state"
+    if node.op == "get_attr":
+        return "free"
+    if node.op == "output":
+        return "output"
+    if node.target in _DROPPED:
+        return "drop"
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+            and isinstance(node.args[0].meta.get("val"), (list, tuple)):
+        return "item"
+    if isinstance(node.meta.get("val"), _SCALARS):
+        return "free"
+    return "op"
+
+
+def units(cap: CapturedGraph) -> list[list[fx.Node]]:
+    """The graph's operations grouped into units that a stage cut may not separate, in execution order."""
+    out: list[list[fx.Node]] = []
+    unit_of: dict[str, int] = {}
+    for node in cap.gm.graph.nodes:
+        kind = _kind(node, cap)
+        if kind == "op":
+            unit_of[node.name] = len(out)
+            out.append([node])
+        elif kind == "item":
+            owner = unit_of[node.args[0].name]
+            unit_of[node.name] = owner
+            out[owner].append(node)
+    return out
+
+
+@dataclass
+class StageGraph:
+    """One stage's module and the values it exchanges with its neighbours."""
+
+    index: int
+    module: fx.GraphModule
+    inputs: list[str]  # value names received (stage 0: user input placeholders)
+    outputs: list[str]  # value names sent on (last stage: the model's tensor output leaves)
+    parameters: dict[str, str]  # attribute name in `module` -> FQN of the user's parameter
+
+
+def _is_tensor_value(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _dim_exprs(node: fx.Node) -> list:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return []
+    return [d.node.expr if isinstance(d, torch.SymInt) else d for d in val.shape]
+
+
+def _scalar_expr(node: fx.Node):
+    val = node.meta.get("val")
+    return val.node.expr if isinstance(val, torch.SymInt) else None
+
+
+def split(cap: CapturedGraph, stage_of_unit: list[int], num_stages: int) -> list[StageGraph]:
+    """Build one module per stage; `stage_of_unit[i]` is the stage of unit i (non-decreasing)."""
+    groups = units(cap)
+    if len(stage_of_unit) != len(groups):
+        raise PlanError(f"the plan assigns {len(stage_of_unit)} blocks, the graph has {len(groups)}")
+    if any(b < a for a, b in zip(stage_of_unit, stage_of_unit[1:])):
+        raise PlanError("stages must be contiguous ranges of blocks, in graph order")
+    stage_of: dict[str, int] = {}
+    local: list[list[fx.Node]] = [[] for _ in range(num_stages)]
+    for group, s in zip(groups, stage_of_unit):
+        for node in group:
+            stage_of[node.name] = s
+            local[s].append(node)
+    for s in range(num_stages):
+        if not local[s]:
+            raise PlanError(f"stage {s} has no operations; use fewer stages than the graph's {len(groups)} blocks")
+
+    kinds = {n.name: _kind(n, cap) for n in cap.gm.graph.nodes}
+    order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
+    last = num_stages - 1
+    out_nodes = [o for o in cap.outputs if isinstance(o, fx.Node)]
+    for o in out_nodes:
+        if not _is_tensor_value(o) and kinds[o.name] != "input":
+            raise PlanError(f"the model returns '{o.name}', which is not a tensor; return tensors only")
+
+    # Tensor values each stage reads directly.
+    needs: list[set[str]] = [set() for _ in range(num_stages)]
+    free_needed: list[list[fx.Node]] = [[] for _ in range(num_stages)]
+
+    def visit_free(s: int, node: fx.Node, seen: set[str]):
+        if node.name in seen:
+            return
+        seen.add(node.name)
+        free_needed[s].append(node)
+        for a in node.all_input_nodes:
+            if kinds[a.name] == "free":
+                visit_free(s, a, seen)
+
+    for s in range(num_stages):
+        seen: set[str] = set()
+        for node in local[s]:
+            for a in node.all_input_nodes:
+                k = kinds[a.name]
+                if k == "input" or (k in ("op", "item") and stage_of[a.name] != s):
+                    needs[s].add(a.name)
+                elif k == "free":
+                    visit_free(s, a, seen)
+        if s == last:
+            for o in out_nodes:
+                if kinds[o.name] == "input" or stage_of.get(o.name) != s:
+                    needs[s].add(o.name)
+
+    # Shape arithmetic: read a size from a tensor the stage already has, else receive the tensor.
+    substitute: dict[tuple[int, str], tuple[str, int]] = {}
+    for s in range(num_stages):
+        available = needs[s] | {n.name for n in local[s]}
+        for f in free_needed[s]:
+            for a in f.all_input_nodes:
+                if kinds[a.name] not in ("op", "item", "input") or a.name in available:
+                    continue
+                expr = _scalar_expr(f)
+                src = None
+                if f.target is torch.ops.aten.sym_size.int and expr is not None:
+                    for cand in sorted(available, key=order.get):
+                        dims = _dim_exprs(cap.node(cand))
+                        if expr in dims:
+                            src = (cand, dims.index(expr))
+                            break
+                if src is not None:
+                    substitute[(s, f.name)] = src
+                else:
+                    needs[s].add(a.name)
+                    available.add(a.name)
+
+    # Which stages each value crosses: from its producer to its last reader.
+    producer: dict[str, int] = {}
+    last_reader: dict[str, int] = {}
+    for s in range(num_stages):
+        for name in needs[s]:
+            producer[name] = 0 if kinds[name] == "input" else stage_of[name]
+            last_reader[name] = max(last_reader.get(name, -1), s)
+    crossing = sorted(last_reader, key=order.get)
+    inputs = [[v for v in crossing if producer[v] < s <= last_reader[v]
+               or (s == 0 and kinds[v] == "input")] for s in range(num_stages)]
+    inputs[0] = [v for v in cap.user_inputs if v in last_reader]
+    if not inputs[0]:
+        inputs[0] = cap.user_inputs[:1]
+    for s in range(1, num_stages):
+        if not inputs[s]:  # a stage that reads nothing from before still needs a message to start
+            inputs[s] = inputs[0][:1]
+            for t in range(1, s):
+                if inputs[0][0] not in inputs[t]:
+                    inputs[t].append(inputs[0][0])
+    outputs = [inputs[s + 1] for s in range(last)] + [[o.name for o in out_nodes]]
+
+    return [
+        _build(cap, s, local[s], inputs[s], outputs[s], kinds, substitute, s == last)
+        for s in range(num_stages)
+    ]
+
+
+def _build(cap, s, nodes, inputs, outputs, kinds, substitute, is_last) -> StageGraph:
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    attrs: dict = {}
+    parameters: dict[str, str] = {}
+    placeholders = set()
+    for name in inputs:
+        env[name] = graph.placeholder(name)
+        env[name].meta = dict(cap.node(name).meta)
+        placeholders.add(name)
+
+    def get(node: fx.Node) -> fx.Node:
+        if node.name in env:
+            return env[node.name]
+        kind = kinds[node.name]
+        if kind == "state":
+            attrs[node.name] = cap.tensor_of[node.name]
+            if node.name in cap.parameters:
+                parameters[node.name] = cap.fqn_of[node.name]
+            new = graph.get_attr(node.name)
+        elif kind == "free" and node.op == "get_attr":
+            attrs[node.target] = getattr(cap.gm, node.target)
+            new = graph.get_attr(node.target)
+        elif kind == "free" and (s, node.name) in substitute:
+            src, dim = substitute[(s, node.name)]
+            new = graph.call_function(torch.ops.aten.sym_size.int, (get(cap.node(src)), dim))
+        elif kind == "free":
+            new = graph.node_copy(node, get)
+        else:
+            raise PlanError(f"internal: stage {s} reads '{node.name}' but nothing provides it")
+        new.meta = dict(node.meta)
+        env[node.name] = new
+        return new
+
+    for node in nodes:
+        _clone_written_inputs(graph, node, env, placeholders)
+        env[node.name] = graph.node_copy(node, get)
+    for value, buffer in cap.buffer_updates:
+        if value in env and value not in placeholders:
+            graph.call_function(torch.ops.aten.copy_.default, (get(cap.node(buffer)), env[value]))
+    results = []
+    for name in outputs:
+        value = env[name] if name in env else get(cap.node(name))
+        val = cap.node(name).meta.get("val")
+        if not is_last and isinstance(val, torch.Tensor) and not _contiguous(val):
+            value = graph.call_method("contiguous", (value,))
+        results.append(value)
+    graph.output(tuple(results))
+    graph.eliminate_dead_code()
+    module = fx.GraphModule(attrs, graph, class_name=f"Stage{s}")
+    return StageGraph(s, module, list(inputs), list(outputs), parameters)
+
+
+def _contiguous(val: torch.Tensor) -> bool:
+    try:
+        return bool(val.is_contiguous())
+    except Exception:  # noqa: BLE001 - symbolic strides may not decide; a copy is always safe
+        return False
+
+
+def _clone_written_inputs(graph: fx.Graph, node: fx.Node, env: dict, placeholders: set) -> None:
+    """An op that writes into a received tensor works on a copy: received tensors are autograd leaves."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return
+    for arg, value in zip(schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node) \
+                and value.name in placeholders and env[value.name].op == "placeholder":
+            clone = graph.call_function(torch.ops.aten.clone.default, (env[value.name],))
+            clone.meta = dict(value.meta)
+            env[value.name] = clone
+
+
+def carry_stages(cap: CapturedGraph, stage_of_node: dict[str, int], stages_of_param: dict[str, set[int]],
+                 ) -> list[int]:
+    """Stages for the units of another capture of the same model (eval mode, other call constants).
+
+    A unit whose first node the planned graph also has keeps that node's stage; an unknown unit goes to a
+    stage holding the parameters it reads, else stays with the unit before it. Stages never decrease.
+    """
+    out, current = [], 0
+    for group in units(cap):
+        stage = stage_of_node.get(group[0].name)
+        if stage is None:
+            used = [stages_of_param.get(cap.fqn_of[a.name], set()) for n in group for a in n.all_input_nodes
+                    if a.name in cap.parameters]
+            common = set.intersection(*used) if used else set()
+            later = sorted(s for s in common if s >= current)
+            stage = later[0] if later else current
+        current = max(current, stage)
+        out.append(current)
+    return out
+
+
+def check_ownership(graphs: list[StageGraph], stage_params: dict[int, set[str]]) -> None:
+    """Every stage must read only parameters that its ranks train."""
+    for g in graphs:
+        foreign = set(g.parameters.values()) - stage_params.get(g.index, set())
+        if foreign:
+            raise PlanError(
+                f"this call's graph puts parameters {sorted(foreign)[:4]} on stage {g.index}, which the plan "
+                "does not train there; the model's structure changed since it was planned. Call "
+                "partita.parallelize again on the model to plan for this call."
+            )

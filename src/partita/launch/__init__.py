@@ -1,0 +1,1 @@
+"""Starting processes and joining them into one job."""

@@ -1,0 +1,1 @@
+"""Doing what a plan says, on torch.distributed: stages, schedules, routing, gradient sums."""

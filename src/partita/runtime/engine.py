@@ -1,0 +1,344 @@
+"""Run one captured graph under a plan on this rank.
+
+Two call paths, chosen by the caller:
+
+- `train_step` (a loss function was given, training, grad enabled): rows go to the first stage, targets
+  to the last, torch's schedule runs forward and backward of every micro-batch at once. The parameter
+  gradients are held back and the global mean loss is returned; `loss.backward()` then adds them (times
+  the gradient flowing into the loss) after summing them over the ranks that hold each parameter.
+- `forward`: every micro-batch forward now. Outputs go back to the rank whose rows they are (scalars, such
+  as a loss the model computes itself, become the global mean). If a gradient is needed, the outputs are
+  tied into autograd so that the user's `loss.backward()` runs the pipeline backward.
+
+Scaling, so that gradients match single-process training: micro-batch losses are summed by the schedule
+(scale_grads=False); the loss is a mean over R replicas x M micro-batches, so the summed gradient is scaled
+by 1/(R*M). Outputs returned row-wise follow DDP: each rank's loss is local, gradients average over the W
+ranks, input gradients stay local.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import fx
+
+from partita.capture.export import CapturedGraph
+from partita.capture.shapes import shape_at
+from partita.capture.split import split
+from partita.errors import BatchError
+from partita.plan.auto import check_batch
+from partita.plan.plan import Plan
+from partita.runtime.grads import GradSync
+from partita.runtime.pipeline import Pipeline
+from partita.runtime.route import Replica, TensorSpec
+
+_MAX_PIPELINES = 4  # micro-batch sizes kept ready at once (a smaller last batch, eval, ...)
+
+
+@dataclass(frozen=True)
+class Place:
+    """This rank's place under a plan."""
+
+    plan: Plan
+    rank: int
+    world_size: int
+    device: torch.device
+    replica_index: int
+    replica: Replica
+    pipeline_group: dist.ProcessGroup
+
+    @property
+    def first_rank(self) -> int:
+        return self.plan.stages[0].ranks[self.replica_index]
+
+    @property
+    def last_rank(self) -> int:
+        return self.plan.stages[-1].ranks[self.replica_index]
+
+
+def agree(description: str, what: str) -> None:
+    """Raise on every rank, naming the ranks, unless all ranks describe their call the same way."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    digest = int.from_bytes(hashlib.sha256(description.encode()).digest()[:7], "little")
+    mine = torch.tensor([digest], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    if len({int(t) for t in every}) > 1:
+        texts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(texts, description)
+        groups: dict[str, list[int]] = {}
+        for r, t in enumerate(texts):
+            groups.setdefault(t, []).append(r)
+        detail = "; ".join(f"ranks {rs}: {t}" for t, rs in groups.items())
+        raise BatchError(f"ranks disagree on {what}: {detail}. Every rank must pass inputs of the same "
+                         "structure, shapes and dtypes (a DistributedSampler with drop_last=True does this).")
+
+
+def _local_rows(tensors: list[torch.Tensor]) -> int:
+    rows = {t.shape[0] for t in tensors}
+    if len(rows) > 1:
+        raise BatchError(f"the tensor inputs have different sizes in dim 0 ({sorted(rows)}); partita splits "
+                         "every tensor input along dim 0 as the batch, so they must all have the same size")
+    return rows.pop() if rows else 0
+
+
+class Engine:
+    def __init__(self, cap: CapturedGraph, stage_of_unit: list[int], place: Place, grads: GradSync,
+                 anchor: torch.Tensor):
+        self.cap = cap
+        self.place = place
+        self.grads = grads
+        self.anchor = anchor
+        plan = place.plan
+        self.graphs = split(cap, stage_of_unit, plan.num_stages)
+        self.stage0_inputs = [cap.user_inputs.index(n) for n in self.graphs[0].inputs]
+        self.out_nodes = [o for o in cap.outputs if isinstance(o, fx.Node)]
+        self._pipelines: OrderedDict = OrderedDict()
+
+    @property
+    def plan(self) -> Plan:
+        return self.place.plan
+
+    def stage_parameters(self) -> dict[int, set[str]]:
+        return {g.index: set(g.parameters.values()) for g in self.graphs}
+
+    def _pipeline(self, mb_rows: int, has_backward: bool, loss_fn) -> Pipeline:
+        key = (mb_rows, has_backward, loss_fn is not None)
+        if key not in self._pipelines:
+            p = self.place
+            self._pipelines[key] = Pipeline(self.cap, self.graphs, self.plan, p.rank, p.replica_index,
+                                            p.pipeline_group, p.device, mb_rows, has_backward, loss_fn)
+            while len(self._pipelines) > _MAX_PIPELINES:
+                self._pipelines.popitem(last=False)
+        self._pipelines.move_to_end(key)
+        return self._pipelines[key]
+
+    def _sizes(self, tensors: list[torch.Tensor], target: torch.Tensor | None) -> tuple[int, int]:
+        """(local rows, rows per micro-batch), after checking that the batch splits evenly."""
+        local = _local_rows(tensors + ([target] if target is not None else []))
+        p, plan = self.place, self.plan
+        rows = local * p.replica.size
+        check_batch(rows, plan.num_microbatches, plan.num_replicas, p.world_size)
+        return local, rows // plan.num_microbatches
+
+    def _agree(self, tensors, target) -> None:
+        shapes = [(tuple(t.shape), str(t.dtype), t.requires_grad) for t in tensors]
+        if target is not None:
+            shapes.append(("target", tuple(target.shape), str(target.dtype)))
+        agree(f"{self.cap.signature.key[:2]} {shapes}", "their inputs")
+
+    def _gather_inputs(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        p = self.place
+        rows = p.replica.gather_rows([tensors[i] for i in self.stage0_inputs], p.first_rank)
+        if rows is None:
+            return None
+        return [r.detach().requires_grad_(tensors[i].requires_grad)
+                for r, i in zip(rows, self.stage0_inputs)]
+
+    def _scatter_input_grads(self, inputs: list[torch.Tensor] | None, tensors: list[torch.Tensor],
+                             scale: float) -> list[torch.Tensor | None]:
+        """Gradients of the caller's tensors that require grad, each on the rank whose rows they are."""
+        p = self.place
+        wanted = [k for k, i in enumerate(self.stage0_inputs) if tensors[i].requires_grad]
+        if not wanted:
+            return []
+        full = None
+        if p.rank == p.first_rank:
+            full = [inputs[k].grad if inputs[k].grad is not None else torch.zeros_like(inputs[k])
+                    for k in wanted]
+        local = p.replica.scatter_rows(full, [TensorSpec.of(tensors[self.stage0_inputs[k]]) for k in wanted],
+                                       p.first_rank)
+        return [g * scale for g in local]
+
+    def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.place.world_size > 1:
+            dist.all_reduce(value)
+        return value
+
+    # ---- loss computed by partita: torch's schedule, fused forward + backward ---------------------
+    def train_step(self, tensors: list[torch.Tensor], target: torch.Tensor, loss_fn, reduction: str):
+        self._agree(tensors, target)
+        _, mb_rows = self._sizes(tensors, target)
+        p, plan = self.place, self.plan
+
+        def stage_loss(flat_out, tgt):
+            return loss_fn(self._unflatten(list(flat_out)), tgt)
+
+        pipe = self._pipeline(mb_rows, True, stage_loss)
+        inputs = self._gather_inputs(tensors)
+        target_rows = p.replica.gather_rows([target], p.last_rank)
+        saved = self.grads.stash()
+        losses = pipe.step(tuple(inputs or ()), target_rows[0] if target_rows else None)
+        fresh = self.grads.take(saved)
+        mean = reduction == "mean"
+        denominator = plan.num_replicas * plan.num_microbatches if mean else 1
+        total = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=p.device)
+        value = self._global_sum(total.to(torch.float32).reshape(())) / denominator
+        input_grads = self._scatter_input_grads(inputs, tensors, 1.0 / denominator)
+        users = [t for k, t in enumerate(tensors) if t.requires_grad and k in self.stage0_inputs]
+        step = _HeldGradients(self.grads, fresh, 1.0 / denominator, input_grads,
+                              value.to(_loss_dtype(losses, value)))
+        return _Loss.apply(step, self.anchor, *users)
+
+    # ---- everything else: forward now, backward (if any) when the user's loss gets here ----------
+    def forward(self, tensors: list[torch.Tensor], target: torch.Tensor | None, loss_fn, reduction: str,
+                grad: bool):
+        self._agree(tensors, target)
+        local, mb_rows = self._sizes(tensors, target)
+        p, plan = self.place, self.plan
+        has_backward = grad and self.cap.training and loss_fn is None
+        pipe = self._pipeline(mb_rows, has_backward, None)
+        inputs = self._gather_inputs(tensors)
+        microbatches = None
+        if inputs is not None:
+            chunks = [_split_rows(t, plan.num_microbatches) for t in inputs]
+            microbatches = [tuple(c[m] for c in chunks) for m in range(plan.num_microbatches)]
+        ctx = torch.enable_grad() if has_backward else torch.no_grad()
+        with ctx:
+            outs = pipe.forward(microbatches)
+        if loss_fn is not None:
+            target_rows = p.replica.gather_rows([target], p.last_rank)
+            return self._eval_loss(outs, target_rows, loss_fn, reduction)
+        leaves = self._route_outputs(outs, local)
+        if not has_backward:
+            return self._unflatten(leaves)
+        users = [t for k, t in enumerate(tensors) if t.requires_grad and k in self.stage0_inputs]
+        run = _PendingBackward(self, pipe, outs, inputs, tensors, leaves)
+        result = _Outputs.apply(run, self.anchor, *users)
+        return self._unflatten(list(result))
+
+    def _eval_loss(self, outs, target_rows, loss_fn, reduction):
+        p, plan = self.place, self.plan
+        total = torch.zeros((), device=p.device)
+        if outs is not None:
+            targets = _split_rows(target_rows[0], plan.num_microbatches)
+            with torch.no_grad():
+                total = sum(loss_fn(self._unflatten(list(o)), t).float() for o, t in zip(outs, targets))
+        total = self._global_sum(total.detach().reshape(()).clone())
+        return total / (plan.num_replicas * plan.num_microbatches) if reduction == "mean" else total
+
+    def _route_outputs(self, outs, local_rows: int) -> list[torch.Tensor]:
+        """Each rank's rows of every batched output; scalar outputs as their global mean."""
+        p, plan = self.place, self.plan
+        batched = [k for k, n in enumerate(self.out_nodes) if n.meta["val"].dim() > 0]
+        scalars = [k for k, n in enumerate(self.out_nodes) if n.meta["val"].dim() == 0]
+        full = None
+        if outs is not None:
+            full = [torch.cat([o[k].detach() for o in outs]) for k in batched]
+        specs = [TensorSpec(shape_at(self.out_nodes[k].meta["val"], local_rows), self.out_nodes[k].meta["val"].dtype)
+                 for k in batched]
+        mine = p.replica.scatter_rows(full, specs, p.last_rank)
+        leaves: list = [None] * len(self.out_nodes)
+        for k, t in zip(batched, mine):
+            leaves[k] = t
+        for k in scalars:
+            val = self.out_nodes[k].meta["val"]
+            s = sum(o[k].detach() for o in outs) if outs is not None else torch.zeros((), dtype=val.dtype, device=p.device)
+            leaves[k] = self._global_sum(s.clone()) / (plan.num_replicas * plan.num_microbatches)
+        return leaves
+
+    def _unflatten(self, tensor_leaves: list):
+        it = iter(tensor_leaves)
+        leaves = [next(it) if isinstance(o, fx.Node) else o for o in self.cap.outputs]
+        return pytree.tree_unflatten(leaves, self.cap.out_spec)
+
+    def differentiable_outputs(self) -> list[bool]:
+        return [self.cap.requires_grad.get(n.name, False) for n in self.out_nodes]
+
+
+def _split_rows(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    chunks = list(torch.tensor_split(t, n))
+    if t.requires_grad and t.is_leaf:
+        for c in chunks:
+            c.retain_grad()
+    return chunks
+
+
+def _loss_dtype(losses, value) -> torch.dtype:
+    return losses[0].dtype if losses else value.dtype
+
+
+class _HeldGradients:
+    """Gradients a fused step produced, waiting for the user's loss.backward()."""
+
+    def __init__(self, grads: GradSync, fresh: dict, scale: float, input_grads: list, value: torch.Tensor):
+        self.grads, self.fresh, self.scale, self.input_grads = grads, fresh, scale, input_grads
+        self.value = value
+
+    def apply(self, grad_output: torch.Tensor) -> list:
+        self.grads.apply(self.fresh, self.scale * grad_output)
+        return [g * grad_output for g in self.input_grads]
+
+
+class _Loss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, step: _HeldGradients, anchor: torch.Tensor, *inputs):
+        ctx.step = step
+        return step.value
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        step, ctx.step = ctx.step, None
+        if step is None:
+            raise RuntimeError("partita: backward through the same loss twice; call the model again")
+        return (None, None, *step.apply(grad_output.detach()))
+
+
+class _PendingBackward:
+    """A forward whose pipeline backward runs when the user's loss reaches its outputs."""
+
+    def __init__(self, engine: Engine, pipe: Pipeline, outs, inputs, tensors, leaves):
+        self.engine, self.pipe, self.outs, self.inputs, self.tensors = engine, pipe, outs, inputs, tensors
+        self.leaves = leaves
+
+    def backward(self, grad_leaves: tuple) -> list:
+        with torch.enable_grad():  # autograd runs Function.backward with grad mode off
+            return self._backward(grad_leaves)
+
+    def _backward(self, grad_leaves: tuple) -> list:
+        e, p, plan = self.engine, self.engine.place, self.engine.plan
+        differentiable = e.differentiable_outputs()
+        batched = [k for k, n in enumerate(e.out_nodes) if n.meta["val"].dim() > 0 and differentiable[k]]
+        scalars = [k for k, n in enumerate(e.out_nodes) if n.meta["val"].dim() == 0 and differentiable[k]]
+        local = [(grad_leaves[k] if grad_leaves[k] is not None else torch.zeros_like(self.leaves[k]))
+                 / p.world_size for k in batched]
+        rows = p.replica.gather_rows(local, p.last_rank)
+        losses = None
+        if self.outs is not None:
+            per_mb = [_split_rows(r, plan.num_microbatches) for r in rows]
+            weight = 1.0 / (plan.num_replicas * plan.num_microbatches)
+            losses = []
+            for m, out in enumerate(self.outs):
+                terms = [(out[k] * g[m]).sum() for k, g in zip(batched, per_mb) if out[k].requires_grad]
+                terms += [out[k] * (grad_leaves[k] * weight) for k in scalars
+                          if grad_leaves[k] is not None and out[k].requires_grad]
+                if not terms:  # the user's loss did not use any output: a zero that still reaches the stages
+                    terms = [o.sum() * 0 for o in out if o.requires_grad]
+                losses.append(sum(terms))
+        saved = e.grads.stash()
+        self.pipe.backward(losses)
+        e.grads.apply(e.grads.take(saved), 1.0)
+        self.outs = None
+        return e._scatter_input_grads(self.inputs, self.tensors, float(p.world_size))
+
+
+class _Outputs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: _PendingBackward, anchor: torch.Tensor, *inputs):
+        ctx.run = run
+        differentiable = run.engine.differentiable_outputs()
+        ctx.mark_non_differentiable(*[t for t, d in zip(run.leaves, differentiable) if not d])
+        return tuple(run.leaves)
+
+    @staticmethod
+    def backward(ctx, *grad_leaves):
+        run, ctx.run = ctx.run, None
+        if run is None:
+            raise RuntimeError("partita: backward through the same outputs twice; call the model again")
+        return (None, None, *run.backward(grad_leaves))

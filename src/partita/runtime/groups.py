@@ -1,0 +1,44 @@
+"""Process groups a plan needs: one per pipeline replica, one per set of ranks that share gradients."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from partita.launch.env import timeout
+from partita.plan.plan import Plan
+from partita.runtime.grads import ParamGroup
+
+
+def _new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+    # every rank must create every group, in the same order, even the ones it is not in
+    return dist.new_group(list(ranks), timeout=timeout()) if dist.is_initialized() else None
+
+
+def pipeline_groups(plan: Plan) -> list[dist.ProcessGroup | None]:
+    return [_new_group(plan.replica_ranks(j)) for j in range(plan.num_replicas)]
+
+
+def param_ranks(plan: Plan, stage_params: dict[int, set[str]]) -> dict[str, tuple[int, ...]]:
+    """For each parameter (FQN), every rank that holds it: all replicas of every stage that reads it."""
+    out: dict[str, set[int]] = {}
+    for stage in plan.stages:
+        for fqn in stage_params.get(stage.index, ()):
+            out.setdefault(fqn, set()).update(stage.ranks)
+    return {fqn: tuple(sorted(r)) for fqn, r in out.items()}
+
+
+def gradient_groups(plan: Plan, stage_params: dict[int, set[str]], rank: int,
+                    parameter: dict[str, nn.Parameter]) -> list[ParamGroup]:
+    """This rank's parameters, grouped by the ranks their gradients are summed over."""
+    holders = param_ranks(plan, stage_params)
+    by_ranks: dict[tuple[int, ...], list[str]] = {}
+    for fqn, ranks in holders.items():
+        by_ranks.setdefault(ranks, []).append(fqn)
+    groups = []
+    for ranks in sorted(by_ranks):
+        group = _new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            params = [parameter[f] for f in sorted(by_ranks[ranks]) if parameter[f].requires_grad]
+            groups.append(ParamGroup(ranks, group, params))
+    return groups

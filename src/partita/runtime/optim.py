@@ -1,0 +1,47 @@
+"""What partita needs to know about, and do to, the user's optimizer."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+def optimizer_state_factor(optimizer: torch.optim.Optimizer | None) -> float:
+    """Copies of the parameters the optimizer keeps as state (Adam: 2, SGD with momentum: 1, SGD: 0)."""
+    if optimizer is None:
+        return 0.0
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return 1.0 if group.get("momentum", 0) else 0.0
+    if name in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax"):
+        return 3.0 if group.get("amsgrad") else 2.0
+    if name in ("Adagrad", "Adadelta"):
+        return 1.0 if name == "Adagrad" else 2.0
+    if name == "RMSprop":
+        return 1.0 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
+    return 2.0  # unknown: assume Adam-like
+
+
+def patch_optimizer(optimizer: torch.optim.Optimizer, full_state_dict, keep_local) -> None:
+    """Make the optimizer's state_dict whole on every rank, and its load_state_dict keep only local state.
+
+    The instance's own methods are wrapped (not the class), so step, zero_grad, param_groups and LR
+    schedulers work exactly as before.
+    """
+    if getattr(optimizer, "_partita_patched", False):
+        return
+    own_state_dict = optimizer.state_dict
+    own_load = optimizer.load_state_dict
+
+    def state_dict(self):
+        return full_state_dict(own_state_dict())
+
+    def load_state_dict(self, state_dict):
+        own_load(state_dict)
+        keep_local(self)
+
+    optimizer.state_dict = types.MethodType(state_dict, optimizer)
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
+    optimizer._partita_patched = True

@@ -1,0 +1,62 @@
+"""Whole-model views on every rank: parameters, buffers and optimizer state, gathered from their owners.
+
+Every rank keeps the full model, but only the stages it runs are trained on it; the owner of a tensor is
+the lowest rank that runs a stage reading it (every holder has the same value after a step).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+
+from partita.runtime.route import TensorSpec, pack, unpack
+
+
+def broadcast_from_owners(named: list[tuple[str, torch.Tensor]], owner: dict[str, int], rank: int,
+                          device: torch.device) -> "OrderedDict[str, torch.Tensor]":
+    """A copy of every tensor, taken from its owner: one broadcast per owner rank."""
+    out: OrderedDict[str, torch.Tensor] = OrderedDict((n, t.detach().clone()) for n, t in named)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return out
+    by_owner: dict[int, list[str]] = {}
+    for name, _ in named:
+        by_owner.setdefault(owner.get(name, 0), []).append(name)
+    for src in sorted(by_owner):
+        names = by_owner[src]
+        specs = [TensorSpec.of(out[n]) for n in names]
+        if rank == src:
+            buffer = pack([out[n].to(device) for n in names], device)
+        else:
+            buffer = torch.empty(sum(s.padded_nbytes for s in specs), dtype=torch.uint8, device=device)
+        dist.broadcast(buffer, src=src)
+        for n, t in zip(names, unpack(buffer, specs)):
+            out[n] = t.to(out[n].device).clone()
+    return out
+
+
+def broadcast_initial_state(tensors: list[torch.Tensor], device: torch.device) -> None:
+    """Give every rank rank 0's values, as DDP does, so replicas start identical whatever the seeds."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not tensors:
+        return
+    specs = [TensorSpec.of(t) for t in tensors]
+    buffer = pack([t.to(device) for t in tensors], device)
+    dist.broadcast(buffer, src=0)
+    with torch.no_grad():
+        for t, value in zip(tensors, unpack(buffer, specs)):
+            t.copy_(value)
+
+
+def gather_optimizer_state(state_dict: dict, owner_of_index: dict[int, int], rank: int) -> dict:
+    """The optimizer's state_dict with every parameter's state, taken from the rank that owns it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return state_dict
+    mine = {i: s for i, s in state_dict["state"].items() if owner_of_index.get(i, 0) == rank}
+    mine = {i: {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for i, s in mine.items()}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    merged = {}
+    for part in every:
+        merged.update(part)
+    return {"state": dict(sorted(merged.items())), "param_groups": state_dict["param_groups"]}
