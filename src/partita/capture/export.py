@@ -20,6 +20,7 @@ from torch import fx, nn
 from torch.export import Dim, export
 from torch.export.graph_signature import InputKind, OutputKind
 
+from partita.capture.shapes import meta_like, shape_at
 from partita.errors import BatchError, CaptureError
 
 _ROOT = "model"  # name of the user's module inside the flattening wrapper
@@ -196,8 +197,6 @@ def _requires_grad(cap: CapturedGraph) -> dict[str, bool]:
     The exported graph's fake values do not record it, and pipeline stages must know it up front: only
     values that require grad get a gradient sent back.
     """
-    from partita.capture.shapes import shape_at
-
     flags = dict(zip(cap.user_inputs, (rg for _, _, rg in cap.signature.tensor_meta)))
     args = []
     for node in cap.gm.graph.nodes:
@@ -211,14 +210,25 @@ def _requires_grad(cap: CapturedGraph) -> dict[str, bool]:
 
     class Recorder(fx.Interpreter):
         def run_node(self, n):
-            result = super().run_node(n)
+            try:
+                with torch.enable_grad():  # per node: a failing op may not restore the grad mode it set
+                    result = super().run_node(n)
+            except Exception:  # noqa: BLE001 - an op without a meta kernel: any input needing grad -> float out does
+                inputs = [a for a in pytree.tree_leaves((self.fetch_args_kwargs_from_env(n)))
+                          if isinstance(a, torch.Tensor)]
+                needs = any(a.requires_grad for a in inputs)
+                result = pytree.tree_map(
+                    lambda v: _meta_value(v, needs) if isinstance(v, torch.Tensor) else v, n.meta.get("val"))
             if isinstance(result, torch.Tensor):
                 out[n.name] = result.requires_grad
             return result
 
-    with torch.enable_grad():
-        Recorder(cap.gm).run(*args)
+    Recorder(cap.gm).run(*args)
     return out
+
+
+def _meta_value(val: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    return meta_like(val, 2, requires_grad)
 
 
 class _ModuleTracker:

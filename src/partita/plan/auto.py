@@ -124,9 +124,9 @@ def auto_plan(graph: ModelGraph, *, world_size: int, local_batch: int, device_me
     tried = []
     for depth in depths:
         num_stages = depth * per_rank
-        sched = schedule or ("1F1B" if num_stages > 1 else "GPipe")
         rows = depth * max(local_batch, 1)
         mbs = micro_batches or default_microbatches(rows, num_stages)
+        sched = schedule or ("1F1B" if 1 < num_stages <= mbs else "GPipe")
         if local_batch:
             check_batch(rows, mbs, world_size // depth, world_size)
         plan = make_plan(graph, world_size, num_stages, sched, mbs, local_batch, optimizer_factor,

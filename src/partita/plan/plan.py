@@ -116,7 +116,20 @@ class Plan:
         if every != list(range(self.world_size)):
             raise PlanError(f"the plan must use ranks 0..{self.world_size - 1} each, got {every}")
         self._validate_placement()
+        self._validate_microbatches()
         return self
+
+    def _validate_microbatches(self) -> None:
+        """The schedules' own rules on the number of micro-batches (torch raises them later, less clearly)."""
+        m, stages, p = self.num_microbatches, self.num_stages, self.pipeline_size
+        if self.schedule in ("1F1B", "DualPipeV") and m < stages:
+            raise PlanError(f"{self.schedule} needs at least as many micro-batches as stages: {m} < {stages}. "
+                            f"Use micro_batches >= {stages}, or schedule='GPipe'.")
+        if self.schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and p > 1:
+            rounds = max(1, m // p)
+            if m % rounds:
+                raise PlanError(f"{self.schedule} needs the micro-batches ({m}) to be a multiple of the "
+                                f"pipeline ranks ({p}) or fewer than them; use micro_batches={p * rounds}.")
 
     def _validate_placement(self) -> None:
         per_rank = self.num_stages // self.pipeline_size if self.pipeline_size else 0
