@@ -4,15 +4,34 @@
 >>> model = partita.parallelize(torch.nn.Linear(4, 2), loss_fn=torch.nn.MSELoss())
 >>> loss = model(torch.randn(8, 4), torch.randn(8, 2))
 >>> loss.backward()
+
+The planner (`partita.plan`, `partita.Plan`) is pure Python: importing it does not import torch.
 """
 
-from partita.api import ParallelModule, parallelize
+from importlib import import_module
+
 from partita.errors import BatchError, CaptureError, LaunchError, PartitaError, PlanError
-from partita.launch.env import barrier, get_rank, get_world_size, init, shutdown
 from partita.plan.plan import Plan, StagePlan
 
-__all__ = [
-    "BatchError", "CaptureError", "LaunchError", "ParallelModule", "PartitaError", "Plan", "PlanError",
-    "StagePlan", "barrier", "get_rank", "get_world_size", "init", "parallelize", "shutdown",
-]
+# Names that need torch load on first use, so that planning-only code (and `partita plan`) stays light.
+_LAZY = {
+    "parallelize": "partita.api", "ParallelModule": "partita.api",
+    "init": "partita.launch.env", "get_rank": "partita.launch.env", "get_world_size": "partita.launch.env",
+    "barrier": "partita.launch.env", "shutdown": "partita.launch.env",
+}
+
+__all__ = sorted(["BatchError", "CaptureError", "LaunchError", "PartitaError", "Plan", "PlanError", "StagePlan",
+                  *_LAZY])
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'partita' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

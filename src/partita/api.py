@@ -18,9 +18,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from partita.capture.blocks import model_graph
-from partita.capture.export import CallSignature, CapturedGraph, capture, flatten_call, inputs_on
+from partita.capture.export import CallSignature, CapturedGraph, capture, flatten_call, misplaced
 from partita.capture.split import carry_stages, check_ownership, units
-from partita.errors import BatchError, PlanError
+from partita.errors import BatchError, PartitaError, PlanError
 from partita.graph import ModelGraph
 from partita.launch import env
 from partita.plan.auto import auto_plan
@@ -101,15 +101,18 @@ class ParallelModule(nn.Module):
             if not isinstance(target, torch.Tensor):
                 raise BatchError(f"the target (last positional argument) must be a tensor, got {type(target)}")
         tensors, signature = flatten_call(tuple(args), kwargs)
-        inputs_on(tensors + ([target] if target is not None else []), world.device)
+        problem = misplaced(tensors + ([target] if target is not None else []), world.device)
         if self._plan is None:
+            agree("ready", "starting", problem)  # one rank's bad input must not leave the others waiting
             self._setup(tuple(args), kwargs, tensors, signature)
         if self._ddp is not None:
+            if problem is not None:
+                raise problem
             return self._data_parallel_call(tuple(args), kwargs, target)
         engine = self._engine(tuple(args), kwargs, signature)
         if self._loss_fn is not None and self.module.training and torch.is_grad_enabled():
-            return engine.train_step(tensors, target, self._loss_fn, self._reduction)
-        return engine.forward(tensors, target, self._loss_fn, self._reduction, torch.is_grad_enabled())
+            return engine.train_step(tensors, target, self._loss_fn, self._reduction, problem)
+        return engine.forward(tensors, target, self._loss_fn, self._reduction, torch.is_grad_enabled(), problem)
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         """The whole model's state under its original names, the same on every rank."""
@@ -196,7 +199,7 @@ class ParallelModule(nn.Module):
         if world.rank == 0:
             try:
                 result[0] = self._make_plan(local_batch).to_json()
-            except PlanError as e:
+            except PartitaError as e:  # every rank raises it, none waits for a plan that never comes
                 result[0] = e
         if world.world_size > 1:
             dist.broadcast_object_list(result, src=0)

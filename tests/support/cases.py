@@ -186,3 +186,57 @@ def _compare_state(d: Diffs, got: dict, want: dict) -> None:
         for k, v in state.items():
             if torch.is_tensor(v):
                 d.add("optimizer", f"param {i} {k}", got["state"][i][k], v)
+
+
+def bad_input(scenario: str, plan_path: str | None = None) -> dict:
+    """Run one kind of bad input; return the error each rank saw (type name and message)."""
+    rank, world = partita.get_rank(), partita.get_world_size()
+    torch.manual_seed(0)
+    model = CASES["mlp"].make()
+    x, y = torch.randn(8, 32), torch.randn(8, 32)
+    try:
+        if scenario == "indivisible":
+            pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2, micro_batches=4)
+            pm(x[:3], y[:3])
+        elif scenario == "indivisible_later":
+            pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2, micro_batches=4)
+            pm(x, y).backward()
+            pm(x[:3], y[:3])
+        elif scenario == "wrong_device":
+            pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2)
+            pm(x.to("meta") if rank == 1 else x, y)
+        elif scenario == "wrong_device_later":
+            pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2)
+            pm(x, y).backward()
+            pm(x.to("meta") if rank == 1 else x, y)
+        elif scenario == "too_many_stages":
+            tiny = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+            pm = partita.parallelize(tiny, loss_fn=torch.nn.MSELoss(), stages=world)
+            pm(x, y)
+        elif scenario == "world_not_multiple":
+            pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=3)
+            pm(x, y)
+        elif scenario == "save_plan":
+            pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2)
+            pm(x, y).backward()
+            if rank == 0:
+                pm.plan.save(plan_path)
+            partita.barrier()
+            return {"error": None, "plan": pm.plan.to_dict()}
+        elif scenario == "use_plan":
+            pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), plan=plan_path)
+            pm(x, y).backward()
+            return {"error": None, "plan": pm.plan.to_dict()}
+        elif scenario == "plan_for_other_model":
+            other = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
+            pm = partita.parallelize(other, loss_fn=torch.nn.MSELoss(), plan=plan_path)
+            pm(x, y)
+        elif scenario == "ranks_disagree":
+            pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2)
+            pm(x, y).backward()
+            pm(x[:4] if rank == 1 else x, y[:4] if rank == 1 else y)
+        else:
+            raise KeyError(scenario)
+    except partita.PartitaError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}

@@ -10,6 +10,8 @@ exactly the tensors it uses, the same tensor objects the user's model and optimi
 from __future__ import annotations
 
 import linecache
+import os
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -266,18 +268,20 @@ class _ModuleTracker:
         return False
 
 
-def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
-    """The innermost frame of the traceback that is the user's code (not torch, not partita)."""
-    skip = ("/torch/", "/partita/", "/site-packages/", "<frozen", "/lib/python3")
-    frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if not any(s in f.filename for s in skip)]
-    if user:
-        return user[-1]
-    # torch.export re-raises with the failing user frame in the message's stack, not in the traceback
-    for f in reversed(frames):
-        if "/site-packages/torch/" not in f.filename and "/partita/" not in f.filename:
-            return f
-    return None
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PARTITA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _user_line(exc: BaseException) -> tuple[str, int] | None:
+    """(file, line) of the user's code that failed: from torch's own report in the message, else the traceback."""
+    ours = (_TORCH_DIR, _PARTITA_DIR, "/site-packages/", "/lib/python3")
+    reported = re.findall(r'File "([^"]+)", line (\d+)', str(exc))
+    for filename, line in reversed(reported):
+        if not any(s in filename for s in ours) and not filename.startswith("<"):
+            return filename, int(line)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not any(s in f.filename for s in ours) and not f.filename.startswith("<")]
+    return (frames[-1].filename, frames[-1].lineno) if frames else None
 
 
 _HINTS = (
@@ -299,11 +303,10 @@ def _capture_error(model: nn.Module, tracker: _ModuleTracker, e: BaseException) 
     mod = model.get_submodule(where) if where else model
     label = f"'{where}' ({type(mod).__name__})" if where else f"the root module ({type(mod).__name__})"
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    frame = _user_frame(e)
+    found = _user_line(e)
     line = ""
-    if frame is not None:
-        src = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
-        line = f" at {frame.filename}:{frame.lineno}: `{src}`"
+    if found is not None:
+        line = f" at {found[0]}:{found[1]}: `{linecache.getline(*found).strip()}`"
     text = str(e)
     hint = next((h for k, h in _HINTS if k in text), "simplify that line so torch.export can trace it, "
                 "or report the model and this message.")
@@ -313,11 +316,12 @@ def _capture_error(model: nn.Module, tracker: _ModuleTracker, e: BaseException) 
     )
 
 
-def inputs_on(tensors: list[torch.Tensor], device: torch.device) -> None:
-    """Raise a clear error when an input is not on this rank's device."""
+def misplaced(tensors: list[torch.Tensor], device: torch.device) -> BatchError | None:
+    """The error for the first input that is not on this rank's device, if any."""
     for i, t in enumerate(tensors):
         if t.device != device:
-            raise BatchError(
+            return BatchError(
                 f"input tensor #{i} (shape {tuple(t.shape)}) is on {t.device}, but this rank computes on "
                 f"{device}. Move inputs with .to({str(device)!r}) before calling the model."
             )
+    return None

@@ -30,7 +30,7 @@ from torch import fx
 from partita.capture.export import CapturedGraph
 from partita.capture.shapes import shape_at
 from partita.capture.split import split
-from partita.errors import BatchError
+from partita.errors import BatchError, CaptureError, PartitaError, PlanError
 from partita.plan.auto import check_batch
 from partita.plan.plan import Plan
 from partita.runtime.grads import GradSync
@@ -61,23 +61,40 @@ class Place:
         return self.plan.stages[-1].ranks[self.replica_index]
 
 
-def agree(description: str, what: str) -> None:
-    """Raise on every rank, naming the ranks, unless all ranks describe their call the same way."""
+def agree(description: str, what: str, problem: PartitaError | None = None) -> None:
+    """Raise the same error on every rank unless every rank describes its call the same way.
+
+    A problem found on one rank alone (an input on the wrong device, say) is raised on every rank, so that
+    no rank is left waiting in a collective for the one that stopped.
+    """
+    if problem is not None:
+        description = f"{_PROBLEM}{type(problem).__name__}: {problem}"
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        if problem is not None:
+            raise problem
         return
     digest = int.from_bytes(hashlib.sha256(description.encode()).digest()[:7], "little")
     mine = torch.tensor([digest], dtype=torch.int64)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    if len({int(t) for t in every}) > 1:
-        texts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(texts, description)
-        groups: dict[str, list[int]] = {}
-        for r, t in enumerate(texts):
-            groups.setdefault(t, []).append(r)
-        detail = "; ".join(f"ranks {rs}: {t}" for t, rs in groups.items())
-        raise BatchError(f"ranks disagree on {what}: {detail}. Every rank must pass inputs of the same "
-                         "structure, shapes and dtypes (a DistributedSampler with drop_last=True does this).")
+    if len({int(t) for t in every}) == 1 and problem is None:
+        return
+    texts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, description)
+    for rank, text in enumerate(texts):
+        if text.startswith(_PROBLEM):
+            kind, _, message = text[len(_PROBLEM):].partition(": ")
+            cls = {c.__name__: c for c in (BatchError, PlanError, CaptureError)}.get(kind, PartitaError)
+            raise cls(f"rank {rank}: {message}")
+    groups: dict[str, list[int]] = {}
+    for r, t in enumerate(texts):
+        groups.setdefault(t, []).append(r)
+    detail = "; ".join(f"ranks {rs}: {t}" for t, rs in groups.items())
+    raise BatchError(f"ranks disagree on {what}: {detail}. Every rank must pass inputs of the same structure, "
+                     "shapes and dtypes (a DistributedSampler with drop_last=True does this).")
+
+
+_PROBLEM = "\x00problem "
 
 
 def _local_rows(tensors: list[torch.Tensor]) -> int:
@@ -127,11 +144,11 @@ class Engine:
         check_batch(rows, plan.num_microbatches, plan.num_replicas, p.world_size)
         return local, rows // plan.num_microbatches
 
-    def _agree(self, tensors, target) -> None:
+    def _agree(self, tensors, target, problem) -> None:
         shapes = [(tuple(t.shape), str(t.dtype), t.requires_grad) for t in tensors]
         if target is not None:
             shapes.append(("target", tuple(target.shape), str(target.dtype)))
-        agree(f"{self.cap.signature.key[:2]} {shapes}", "their inputs")
+        agree(f"{self.cap.signature.key[:2]} {shapes}", "their inputs", problem)
 
     def _gather_inputs(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
         p = self.place
@@ -162,8 +179,9 @@ class Engine:
         return value
 
     # ---- loss computed by partita: torch's schedule, fused forward + backward ---------------------
-    def train_step(self, tensors: list[torch.Tensor], target: torch.Tensor, loss_fn, reduction: str):
-        self._agree(tensors, target)
+    def train_step(self, tensors: list[torch.Tensor], target: torch.Tensor, loss_fn, reduction: str,
+                   problem: PartitaError | None = None):
+        self._agree(tensors, target, problem)
         _, mb_rows = self._sizes(tensors, target)
         p, plan = self.place, self.plan
 
@@ -188,8 +206,8 @@ class Engine:
 
     # ---- everything else: forward now, backward (if any) when the user's loss gets here ----------
     def forward(self, tensors: list[torch.Tensor], target: torch.Tensor | None, loss_fn, reduction: str,
-                grad: bool):
-        self._agree(tensors, target)
+                grad: bool, problem: PartitaError | None = None):
+        self._agree(tensors, target, problem)
         local, mb_rows = self._sizes(tensors, target)
         p, plan = self.place, self.plan
         has_backward = grad and self.cap.training and loss_fn is None

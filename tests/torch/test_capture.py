@@ -1,0 +1,107 @@
+"""Capture and split in one process: the stage chain computes what the model computes."""
+
+import copy
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from partita.capture.blocks import model_graph
+from partita.capture.export import capture, flatten_call
+from partita.capture.split import carry_stages, split, units
+from partita.errors import BatchError, CaptureError, PlanError
+from support.zoo import CASES
+
+
+def run_stages(cap, stages, args, kwargs):
+    tensors, _ = flatten_call(args, kwargs)
+    env = dict(zip(cap.user_inputs, tensors))
+    for st in stages:
+        env.update(zip(st.outputs, st.module(*[env[n] for n in st.inputs])))
+    leaves = [env[o.name] if isinstance(o, torch.fx.Node) else o for o in cap.outputs]
+    return pytree.tree_unflatten(leaves, cap.out_spec)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_stage_chain_equals_model(name, num_stages):
+    case = CASES[name]
+    torch.manual_seed(0)
+    model = case.make().eval()
+    args, kwargs, _ = case.batch(4, torch.Generator().manual_seed(0))
+    cap = capture(model, args, kwargs)
+    n = len(units(cap))
+    stages = split(cap, [i * num_stages // n for i in range(n)], num_stages)
+    got, want = run_stages(cap, stages, args, kwargs), model(*args, **kwargs)
+    for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+        if isinstance(b, torch.Tensor):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_parameters_are_the_users_own_tensors():
+    model = CASES["tied_embedding"].make()
+    cap = capture(model, (torch.randint(0, 50, (2, 6)),), {})
+    stages = split(cap, [0] * 3 + [1] * (len(units(cap)) - 3), 2)
+    owned = {id(p) for s in stages for p in s.module.parameters()}
+    assert id(model.emb.weight) in owned and id(model.mid[0].weight) in owned
+    # the tied weight is registered in both stages that read it
+    assert sum(id(model.emb.weight) in {id(p) for p in s.module.parameters()} for s in stages) == 2
+
+
+def test_flops_of_linear_layers_are_counted_exactly():
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 32))
+    graph = model_graph(capture(model, (torch.randn(4, 64),), {}))
+    linear = [b for b in graph.blocks if b.params]
+    assert [b.fwd_flops_per_sample for b in linear] == [2 * 64 * 128, 2 * 128 * 32]
+    assert graph.param_bytes_of(0, graph.num_blocks) == 4 * (64 * 128 + 128 + 128 * 32 + 32)
+
+
+def test_eval_graph_maps_onto_the_training_plan():
+    model = CASES["batchnorm"].make()
+    x = torch.randn(4, 16)
+    train = capture(model.train(), (x,), {})
+    stage_of_node = {}
+    groups = units(train)
+    for i, g in enumerate(groups):
+        for node in g:
+            stage_of_node[node.name] = 0 if i < len(groups) // 2 else 1
+    evaluation = capture(model.eval(), (x,), {})
+    stages = carry_stages(evaluation, stage_of_node, {})
+    assert stages == sorted(stages) and set(stages) == {0, 1}
+    out = run_stages(evaluation, split(evaluation, stages, 2), (x,), {})
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+
+
+def test_capture_error_names_module_op_and_line():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+            self.gate = Gate()
+
+        def forward(self, x):
+            return self.gate(self.inner(x))
+
+    class Gate(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent control flow
+                return x * 2
+            return x
+
+    with pytest.raises(CaptureError) as e:
+        capture(Branchy(), (torch.randn(3, 4),), {})
+    msg = str(e.value)
+    assert "'gate' (Gate)" in msg and "if x.sum() > 0" in msg and "test_capture.py" in msg
+    assert "torch.where" in msg
+
+
+def test_scalar_tensor_input_is_refused():
+    with pytest.raises(BatchError, match="0-dim"):
+        flatten_call((torch.tensor(1.0),), {})
+
+
+def test_more_stages_than_blocks():
+    cap = capture(nn.Linear(4, 4), (torch.randn(2, 4),), {})
+    with pytest.raises(PlanError, match="no operations"):
+        split(cap, [0] * len(units(cap)) + [], 2)

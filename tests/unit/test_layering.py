@@ -1,0 +1,36 @@
+"""The planner side is pure: graph/ and plan/ import neither torch nor the runtime."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "partita"
+PURE = ["graph", "plan"]
+
+
+def imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_pure_packages_import_no_torch_and_no_runtime():
+    for pkg in PURE:
+        for f in (SRC / pkg).glob("*.py"):
+            for name in imports(f):
+                assert not name.startswith("torch"), f"{f} imports {name}"
+                assert not name.startswith(("partita.runtime", "partita.capture", "partita.api")), f"{f} imports {name}"
+
+
+def test_planner_runs_without_torch():
+    code = ("import sys; sys.modules['torch'] = None; "
+            "from partita.plan import auto_plan; from partita.graph import Block, ModelGraph; "
+            "g = ModelGraph((Block(0, ('a',), '', 1.0, 0.0, ('p',), 1.0),), {'p': 4}, (), 1.0); "
+            "print(auto_plan(g, world_size=1, local_batch=1, device_memory_bytes=0, optimizer_factor=0).num_stages)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(SRC.parent)})
+    assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr
