@@ -27,19 +27,36 @@ from partita.plan.auto import auto_plan
 from partita.plan.plan import Plan
 from partita.runtime.engine import Engine, Place, agree
 from partita.runtime.grads import GradSync
-from partita.runtime.groups import gradient_groups, param_ranks, pipeline_groups
+from partita.runtime.groups import gradient_groups, param_ranks, pipeline_groups, stage_groups
 from partita.runtime.optim import optimizer_state_factor, patch_optimizer
 from partita.runtime.route import Replica
-from partita.runtime.state import broadcast_from_owners, broadcast_initial_state, gather_optimizer_state
+from partita.runtime.state import broadcast_from_owners, broadcast_tensors, gather_optimizer_state
 
 log = logging.getLogger("partita")
 
 
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
+          "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '40GB', '1e9' -> bytes (binary units either way)."""
+    t = text.strip().lower().replace(" ", "")
+    number = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(number):]
+    if unit not in _UNITS or not number:
+        raise PlanError(f"cannot read {text!r} as a size; write e.g. 512MiB or 40GB")
+    return int(float(number) * _UNITS[unit])
+
+
 def _device_memory(device: torch.device, local_world_size: int) -> int:
+    """Memory one rank may plan for: the device's, or its share of host RAM, capped by PARTITA_MEMORY_LIMIT."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[1])
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(total // max(1, local_world_size))
+        total = int(torch.cuda.mem_get_info(device)[1])
+    else:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, local_world_size)
+    limit = os.environ.get("PARTITA_MEMORY_LIMIT")
+    return min(int(total), parse_bytes(limit)) if limit else int(total)
 
 
 @contextlib.contextmanager
@@ -95,8 +112,9 @@ class ParallelModule(nn.Module):
         world = env.init()
         target = None
         if self._loss_fn is not None:
-            if not args:
-                raise BatchError("with loss_fn, call the model as model(*inputs, target)")
+            if len(args) + len(kwargs) < 2:
+                raise BatchError("this model was parallelized with loss_fn, so every call is model(*inputs, target) "
+                                 "and returns the loss; to get outputs, parallelize without loss_fn")
             *args, target = args
             if not isinstance(target, torch.Tensor):
                 raise BatchError(f"the target (last positional argument) must be a tensor, got {type(target)}")
@@ -174,7 +192,8 @@ class ParallelModule(nn.Module):
             for name in self._aliases(self._parameter, fqn):
                 self._owner[name] = ranks[0]
         self._owner.update(self._buffer_owners(planned, plan))
-        broadcast_initial_state(list(self.module.state_dict(keep_vars=True).values()), world.device)
+        # every rank starts from rank 0's weights, as with DDP, whatever each rank's seed was
+        broadcast_tensors(list(self.module.state_dict(keep_vars=True).values()), world.device)
         self._plan = plan
         if world.rank == 0:
             log.info("%s", plan.explain())
@@ -184,8 +203,9 @@ class ParallelModule(nn.Module):
             replicas = pipeline_groups(plan)
             j = plan.replica_of(world.rank)
             group = replicas[j] if replicas[j] is not None else dist.group.WORLD
+            buffers = stage_groups(plan) if any(True for _ in self.module.buffers()) else {}
             self._place = Place(plan, world.rank, world.world_size, world.device, j,
-                                Replica(plan.replica_ranks(j), group, world.rank, world.device), group)
+                                Replica(plan.replica_ranks(j), group, world.rank, world.device), group, buffers)
             self._grads = GradSync(gradient_groups(plan, self._stage_params, world.rank, self._parameter))
             key = (True, signature.key, self._requires_grad_key())
             self._engines[key] = self._new_engine(planned, plan.stage_of_block())

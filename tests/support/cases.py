@@ -240,3 +240,28 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
     except partita.PartitaError as e:
         return {"error": type(e).__name__, "message": str(e)}
     return {"error": None}
+
+
+def batchnorm_replicas(stages: int) -> dict:
+    """Train BatchNorm with several replicas; eval must use the same statistics state_dict() reports."""
+    rank, world = partita.get_rank(), partita.get_world_size()
+    case = CASES["batchnorm"]
+    torch.manual_seed(0)
+    model = case.make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pm = partita.parallelize(model, opt, stages=stages)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        (x,), _, y = case.batch(8, gen)
+        opt.zero_grad()
+        case.user_loss(pm(x), y).backward()
+        opt.step()
+    plain = case.make()
+    plain.load_state_dict(pm.state_dict())
+    pm.eval()
+    plain.eval()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(99 + rank))
+    with torch.no_grad():
+        got, want = pm(x), plain(x)
+    return {"max_diff": float((got - want).abs().max()), "replicas": pm.plan.num_replicas,
+            "stats_moved": float(plain.bn1.running_mean.abs().max())}

@@ -71,7 +71,7 @@ def test_rank_layout_for_replicas_and_v_schedules():
 
 
 def test_no_plan_fits_names_the_numbers():
-    with pytest.raises(PlanError, match="no plan fits in memory: 1 stages need"):
+    with pytest.raises(PlanError, match="no plan fits in memory: 1 stages need .* per rank"):
         auto_plan(graph([1] * 4, param_bytes=10**9), world_size=2, local_batch=4, device_memory_bytes=10**6,
                   optimizer_factor=2)
 

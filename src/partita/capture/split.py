@@ -75,6 +75,7 @@ class StageGraph:
     inputs: list[str]  # value names received (stage 0: user input placeholders)
     outputs: list[str]  # value names sent on (last stage: the model's tensor output leaves)
     parameters: dict[str, str]  # attribute name in `module` -> FQN of the user's parameter
+    written_buffers: list[str]  # attribute names of buffers the stage updates in place (BatchNorm statistics)
 
 
 def _is_tensor_value(node: fx.Node) -> bool:
@@ -228,12 +229,15 @@ def _build(cap, s, nodes, inputs, outputs, kinds, substitute, is_last) -> StageG
         env[node.name] = new
         return new
 
+    written: list[str] = []
     for node in nodes:
         _clone_written_inputs(graph, node, env, placeholders)
         env[node.name] = graph.node_copy(node, get)
+        written += [a.name for a in _written_args(node) if a.name in cap.fqn_of and a.name not in cap.parameters]
     for value, buffer in cap.buffer_updates:
         if value in env and value not in placeholders:
             graph.call_function(torch.ops.aten.copy_.default, (get(cap.node(buffer)), env[value]))
+            written.append(buffer)
     results = []
     for name in outputs:
         value = env[name] if name in env else get(cap.node(name))
@@ -244,7 +248,7 @@ def _build(cap, s, nodes, inputs, outputs, kinds, substitute, is_last) -> StageG
     graph.output(tuple(results))
     graph.eliminate_dead_code()
     module = fx.GraphModule(attrs, graph, class_name=f"Stage{s}")
-    return StageGraph(s, module, list(inputs), list(outputs), parameters)
+    return StageGraph(s, module, list(inputs), list(outputs), parameters, sorted(set(written)))
 
 
 def _contiguous(val: torch.Tensor) -> bool:
@@ -254,14 +258,29 @@ def _contiguous(val: torch.Tensor) -> bool:
         return False
 
 
-def _clone_written_inputs(graph: fx.Graph, node: fx.Node, env: dict, placeholders: set) -> None:
-    """An op that writes into a received tensor works on a copy: received tensors are autograd leaves."""
+# Ops that update running statistics without saying so in their schema: argument positions written.
+_STATISTICS_WRITTEN = {
+    torch.ops.aten.batch_norm.default: (3, 4),
+    torch.ops.aten.instance_norm.default: (3, 4),
+}
+
+
+def _written_args(node: fx.Node) -> list[fx.Node]:
+    """The inputs an op writes into (in-place ops, BatchNorm's running statistics)."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
-        return
-    for arg, value in zip(schema.arguments, node.args):
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node) \
-                and value.name in placeholders and env[value.name].op == "placeholder":
+        return []
+    written = [value for arg, value in zip(schema.arguments, node.args)
+               if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node)]
+    written += [node.args[i] for i in _STATISTICS_WRITTEN.get(node.target, ())
+                if i < len(node.args) and isinstance(node.args[i], fx.Node)]
+    return written
+
+
+def _clone_written_inputs(graph: fx.Graph, node: fx.Node, env: dict, placeholders: set) -> None:
+    """An op that writes into a received tensor works on a copy: received tensors are autograd leaves."""
+    for value in _written_args(node):
+        if value.name in placeholders and env[value.name].op == "placeholder":
             clone = graph.call_function(torch.ops.aten.clone.default, (env[value.name],))
             clone.meta = dict(value.meta)
             env[value.name] = clone

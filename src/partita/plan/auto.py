@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from partita.errors import BatchError, PlanError
 from partita.graph import ModelGraph
+from partita.plan.explain import size
 from partita.plan.partition import balance
 from partita.plan.plan import LOOPED_SCHEDULES, SCHEDULES, V_SCHEDULES, Plan, StagePlan, rank_layout
 
@@ -138,21 +139,19 @@ def auto_plan(graph: ModelGraph, *, world_size: int, local_batch: int, device_me
             fixed = stages is not None or replicas is not None
             why = _reasons(plan, peak, device_memory_bytes, fixed=fixed, tried=tried[:-1])
             return replace(plan, reasons=why).validate(world_size)
-    gib = 2**30
     raise PlanError(
-        "no plan fits in memory: " + ", ".join(f"{s} stages need {p / gib:.2f} GiB per rank" for s, p in tried)
-        + f", each rank has {device_memory_bytes / gib:.2f} GiB. Use more ranks, a smaller local batch, "
+        "no plan fits in memory: " + ", ".join(f"{s} stages need {size(p)} per rank" for s, p in tried)
+        + f", each rank has {size(device_memory_bytes)}. Use more ranks, a smaller local batch, "
         "or an optimizer with less state (SGD)."
     )
 
 
 def _reasons(plan: Plan, peak: int, memory: int, fixed: bool, tried: list) -> tuple[str, ...]:
-    gib = 2**30
     out = []
     if fixed:
         out.append("stage count fixed by the caller")
     for s, p in tried:
-        out.append(f"{s} stage(s) would need {p / gib:.2f} GiB per rank, more than the {memory / gib:.2f} GiB "
+        out.append(f"{s} stage{'s' if s > 1 else ''} would need {size(p)} per rank, more than the {size(memory)} "
                    "available")
     if plan.num_stages == 1:
         out.append("the whole model fits one device: data parallel only")
@@ -160,5 +159,5 @@ def _reasons(plan: Plan, peak: int, memory: int, fixed: bool, tried: list) -> tu
         out.append(f"{plan.num_stages} stages balanced by forward FLOPs; "
                    f"{plan.num_replicas} replica(s) of each stage")
     if memory:
-        out.append(f"estimated peak {peak / gib:.2f} GiB per rank of {memory / gib:.2f} GiB")
+        out.append(f"estimated peak {size(peak)} per rank of {size(memory)}")
     return tuple(out)

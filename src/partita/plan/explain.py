@@ -5,7 +5,8 @@ from __future__ import annotations
 from partita.plan.plan import Plan
 
 
-def _size(n: float) -> str:
+def size(n: float) -> str:
+    """Bytes for people: '31.3 MiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -38,8 +39,8 @@ def explain(plan: Plan) -> str:
     for s in plan.stages:
         rows.append((
             str(s.index), f"{s.blocks[0]}-{s.blocks[1] - 1}", f"{s.first_node} .. {s.last_node}",
-            ",".join(map(str, s.ranks)), str(s.num_params), _size(s.param_bytes),
-            _flops(s.fwd_flops_per_sample), _size(s.memory_bytes),
+            ",".join(map(str, s.ranks)), str(s.num_params), size(s.param_bytes),
+            _flops(s.fwd_flops_per_sample), size(s.memory_bytes),
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

@@ -36,6 +36,7 @@ from partita.plan.plan import Plan
 from partita.runtime.grads import GradSync
 from partita.runtime.pipeline import Pipeline
 from partita.runtime.route import Replica, TensorSpec
+from partita.runtime.state import broadcast_tensors
 
 _MAX_PIPELINES = 4  # micro-batch sizes kept ready at once (a smaller last batch, eval, ...)
 
@@ -51,6 +52,7 @@ class Place:
     replica_index: int
     replica: Replica
     pipeline_group: dist.ProcessGroup
+    stage_groups: dict  # stage index -> group over its replicas (only with more than one replica)
 
     @property
     def first_rank(self) -> int:
@@ -117,6 +119,16 @@ class Engine:
         self.stage0_inputs = [cap.user_inputs.index(n) for n in self.graphs[0].inputs]
         self.out_nodes = [o for o in cap.outputs if isinstance(o, fx.Node)]
         self._pipelines: OrderedDict = OrderedDict()
+        local = plan.stages_of(place.rank)
+        self._written = [(place.stage_groups[g.index], plan.stages[g.index].ranks[0],
+                          [getattr(g.module, b) for b in g.written_buffers])
+                         for g in self.graphs if g.written_buffers and g.index in place.stage_groups
+                         and g.index in local]
+
+    def _sync_buffers(self) -> None:
+        """Every replica of a stage takes its first replica's buffers (BatchNorm statistics), as DDP does."""
+        for group, src, buffers in self._written:
+            broadcast_tensors(buffers, self.place.device, src=src, group=group)
 
     @property
     def plan(self) -> Plan:
@@ -184,6 +196,7 @@ class Engine:
         self._agree(tensors, target, problem)
         _, mb_rows = self._sizes(tensors, target)
         p, plan = self.place, self.plan
+        self._sync_buffers()
 
         def stage_loss(flat_out, tgt):
             return loss_fn(self._unflatten(list(flat_out)), tgt)
@@ -210,6 +223,7 @@ class Engine:
         self._agree(tensors, target, problem)
         local, mb_rows = self._sizes(tensors, target)
         p, plan = self.place, self.plan
+        self._sync_buffers()
         has_backward = grad and self.cap.training and loss_fn is None
         pipe = self._pipeline(mb_rows, has_backward, None)
         inputs = self._gather_inputs(tensors)

@@ -19,6 +19,11 @@ def pipeline_groups(plan: Plan) -> list[dist.ProcessGroup | None]:
     return [_new_group(plan.replica_ranks(j)) for j in range(plan.num_replicas)]
 
 
+def stage_groups(plan: Plan) -> dict[int, dist.ProcessGroup | None]:
+    """One group per stage over its replicas (for keeping their buffers identical)."""
+    return {s.index: _new_group(s.ranks) for s in plan.stages} if plan.num_replicas > 1 else {}
+
+
 def param_ranks(plan: Plan, stage_params: dict[int, set[str]]) -> dict[str, tuple[int, ...]]:
     """For each parameter (FQN), every rank that holds it: all replicas of every stage that reads it."""
     out: dict[str, set[int]] = {}

@@ -36,13 +36,14 @@ def broadcast_from_owners(named: list[tuple[str, torch.Tensor]], owner: dict[str
     return out
 
 
-def broadcast_initial_state(tensors: list[torch.Tensor], device: torch.device) -> None:
-    """Give every rank rank 0's values, as DDP does, so replicas start identical whatever the seeds."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or not tensors:
+def broadcast_tensors(tensors: list[torch.Tensor], device: torch.device, src: int = 0,
+                      group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite `tensors` on every rank of `group` with rank `src`'s values, in one broadcast."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1 or not tensors:
         return
     specs = [TensorSpec.of(t) for t in tensors]
     buffer = pack([t.to(device) for t in tensors], device)
-    dist.broadcast(buffer, src=0)
+    dist.broadcast(buffer, src=src, group=group)
     with torch.no_grad():
         for t, value in zip(tensors, unpack(buffer, specs)):
             t.copy_(value)

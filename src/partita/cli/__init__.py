@@ -1,0 +1,1 @@
+"""The `partita` command: one small module per subcommand, registered in main.py."""
