@@ -182,8 +182,8 @@ class ParallelModule(nn.Module):
         self._graph = model_graph(planned)
         local_batch = tensors[0].shape[0] if tensors else 0
         plan = self._agreed_plan(local_batch)
-        groups = units(planned)
-        for group, stage in zip(groups, plan.stage_of_block()):
+        stage_of_unit = self._graph.stage_of_unit(plan.stage_of_block())
+        for group, stage in zip(units(planned), stage_of_unit):
             for node in group:
                 self._stage_of_node[node.name] = stage
         self._stage_params = {s.index: self._graph.params_of(*s.blocks) for s in plan.stages}
@@ -208,7 +208,7 @@ class ParallelModule(nn.Module):
                                 Replica(plan.replica_ranks(j), group, world.rank, world.device), group, buffers)
             self._grads = GradSync(gradient_groups(plan, self._stage_params, world.rank, self._parameter))
             key = (True, signature.key, self._requires_grad_key())
-            self._engines[key] = self._new_engine(planned, plan.stage_of_block())
+            self._engines[key] = self._new_engine(planned, stage_of_unit)
         if self._optimizer is not None and self._place is not None:
             patch_optimizer(self._optimizer, self._full_optimizer_state, self._keep_local_optimizer_state)
 

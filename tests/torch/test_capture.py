@@ -53,7 +53,7 @@ def test_flops_of_linear_layers_are_counted_exactly():
     model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 32))
     graph = model_graph(capture(model, (torch.randn(4, 64),), {}))
     linear = [b for b in graph.blocks if b.params]
-    assert [b.fwd_flops_per_sample for b in linear] == [2 * 64 * 128, 2 * 128 * 32]
+    assert [b.fwd_flops.lines for b in linear] == [((0.0, 2 * 64 * 128),), ((0.0, 2 * 128 * 32),)]
     assert graph.param_bytes_of(0, graph.num_blocks) == 4 * (64 * 128 + 128 + 128 * 32 + 32)
 
 

@@ -7,14 +7,16 @@ import pytest
 
 from partita.errors import BatchError, PlanError
 from partita.graph import Block, ModelGraph
+from partita.graph.graph import Fit
 from partita.plan import Plan, auto_plan
 from partita.plan.partition import balance
 
 
 def graph(flops, param_bytes=1000, act=10.0):
-    blocks = tuple(Block(i, (f"n{i}",), "", float(f), 0.0, (f"p{i}",), act) for i, f in enumerate(flops))
+    blocks = tuple(Block(i, f"layers.{i}", (i, i + 1), f"a{i}", f"z{i}", "sig", 1, Fit.line(0, f),
+                         Fit.line(0, f), Fit.line(0, act), (f"p{i}",)) for i, f in enumerate(flops))
     return ModelGraph(blocks, {f"p{i}": param_bytes for i in range(len(flops))},
-                      tuple(4.0 for _ in flops[1:]), 4.0)
+                      tuple(Fit.line(0, 4.0) for _ in flops[1:]), Fit.line(0, 4.0))
 
 
 def test_balance_is_exact_against_brute_force():

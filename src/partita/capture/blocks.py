@@ -1,11 +1,18 @@
 """Describe a captured graph as blocks with numbers (FLOPs, bytes), counted on meta tensors.
 
-Shapes in the captured graph are symbolic in the batch; every count is taken at batch 1 and 2 so that it
-splits into a per-sample part and a fixed part. FLOPs of each op come from torch's FlopCounterMode run on
-meta tensors (matmuls, convolutions, attention), plus one FLOP per output element for everything else.
+Shapes in the captured graph are symbolic in the batch; every count is taken at batch 1 and 2, so it is a
+line in the rows. FLOPs of each op come from torch's FlopCounterMode run on meta tensors (matmuls,
+convolutions, attention), plus one per output element for everything else.
+
+Blocks group the splitter's units by module: the coarsest module depth at which no block holds more than
+1/32 of the model's work (a transformer's layers, or inside them for a shallow model). Operations of the
+root module (glue such as `x + pos`) join the block that follows them.
 """
 
 from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
@@ -16,6 +23,9 @@ from partita.capture.export import CapturedGraph
 from partita.capture.shapes import concrete
 from partita.capture.split import units
 from partita.graph import Block, ModelGraph
+from partita.graph.graph import Fit
+
+_FINEST_SHARE = 1 / 32  # a block may hold at most this share of the work, unless it is a single module
 
 
 def _concrete(x, batch: int):
@@ -24,8 +34,7 @@ def _concrete(x, batch: int):
 
 def _meta(val, batch: int):
     if isinstance(val, torch.Tensor):
-        shape = [int(_concrete(d, batch)) for d in val.shape]
-        return torch.empty(shape, dtype=val.dtype, device="meta")
+        return torch.empty([int(_concrete(d, batch)) for d in val.shape], dtype=val.dtype, device="meta")
     return _concrete(val, batch)
 
 
@@ -65,53 +74,131 @@ def _flops(node: fx.Node, batch: int) -> float:
     return float(matmul) if matmul else float(_numel(node.meta.get("val"), batch))
 
 
+def _traffic(node: fx.Node, batch: int) -> int:
+    """Bytes an op reads and writes: its tensor inputs and outputs."""
+    return sum(_bytes(a.meta.get("val"), batch) for a in node.all_input_nodes) + _bytes(node.meta.get("val"), batch)
+
+
 def _module(node: fx.Node) -> str:
-    stack = [path for path, _ in node.meta.get("nn_module_stack", {}).values()
-             if not path.startswith("_empty")]
+    stack = [path for path, _ in node.meta.get("nn_module_stack", {}).values() if not path.startswith("_empty")]
     if not stack:
         return ""
     path = stack[-1]
     return path[len("model."):] if path.startswith("model.") else ("" if path == "model" else path)
 
 
+def _line(group: list[fx.Node], measure) -> Fit:
+    return Fit.through(1, sum(measure(n, 1) for n in group), 2, sum(measure(n, 2) for n in group))
+
+
+def _shape_text(val) -> str:
+    if not isinstance(val, torch.Tensor):
+        return type(val).__name__
+    return f"{val.dtype}{[_concrete(d, 1) for d in val.shape]}{[_concrete(d, 2) for d in val.shape]}"
+
+
+@dataclass
+class _Unit:
+    nodes: list[fx.Node]
+    path: list[str]
+    flops: Fit
+    traffic: Fit
+    activations: Fit
+    params: set[str]
+    signature: str
+
+
+def _units(cap: CapturedGraph) -> list[_Unit]:
+    out = []
+    for group in units(cap):
+        path = _module(group[0])
+        text = ";".join(f"{n.target}({','.join(_shape_text(a.meta.get('val')) for a in n.all_input_nodes)})"
+                        for n in group)
+        out.append(_Unit(
+            nodes=group, path=path.split(".") if path else [],
+            flops=_line(group, _flops), traffic=_line(group, _traffic),
+            activations=_line(group, lambda n, b: _bytes(n.meta.get("val"), b)),
+            params={cap.fqn_of[a.name] for n in group for a in n.all_input_nodes if a.name in cap.parameters},
+            signature=text,
+        ))
+    return out
+
+
+def _segments(us: list[_Unit]) -> list[tuple[int, int, str]]:
+    """[start, stop) unit ranges and module names of the blocks (see the module docstring)."""
+    n = len(us)
+    # root-module glue takes the path of the next op inside a module (or of the last one, at the end)
+    paths: list[list[str] | None] = [u.path or None for u in us]
+    following = None
+    for i in reversed(range(n)):
+        following = paths[i] if paths[i] is not None else following
+        paths[i] = paths[i] if paths[i] is not None else following
+    if all(p is None for p in paths):  # everything at the root: every op is its own block
+        return [(i, i + 1, "") for i in range(n)]
+    preceding = None
+    for i in range(n):
+        preceding = paths[i] if paths[i] is not None else preceding
+        paths[i] = paths[i] if paths[i] is not None else preceding
+    cost = [u.flops.at(1) + u.traffic.at(1) for u in us]
+    total = sum(cost) or 1.0
+    depth_max = max(len(p) for p in paths)
+    for depth in range(1, depth_max + 1):
+        keys = [".".join(p[:depth]) for p in paths]
+        ranges = []
+        for i, key in enumerate(keys):
+            if ranges and ranges[-1][2] == key and ranges[-1][1] == i:
+                ranges[-1] = (ranges[-1][0], i + 1, key)
+            else:
+                ranges.append((i, i + 1, key))
+        if max(sum(cost[a:b]) for a, b, _ in ranges) <= _FINEST_SHARE * total:
+            break
+    return ranges
+
+
 def model_graph(cap: CapturedGraph) -> ModelGraph:
     """The planner's view of a captured graph."""
-    groups = units(cap)
+    us = _units(cap)
     placeholder_of = {n.name: n for n in cap.gm.graph.nodes if n.op == "placeholder"}
-    param_bytes = {cap.fqn_of[p]: placeholder_of[p].meta["val"].numel() * placeholder_of[p].meta["val"].element_size()
-                   for p in cap.parameters}
+    param_bytes = {}
+    for p in cap.parameters:
+        val = placeholder_of[p].meta["val"]
+        param_bytes[cap.fqn_of[p]] = val.numel() * val.element_size()
     blocks = []
-    unit_of: dict[str, int] = {}
-    for i, group in enumerate(groups):
-        f1 = sum(_flops(n, 1) for n in group)
-        f2 = sum(_flops(n, 2) for n in group)
-        a1 = sum(_bytes(n.meta.get("val"), 1) for n in group)
-        a2 = sum(_bytes(n.meta.get("val"), 2) for n in group)
-        params = sorted({cap.fqn_of[a.name] for n in group for a in n.all_input_nodes if a.name in cap.parameters})
+    for i, (start, stop, name) in enumerate(_segments(us)):
+        group = us[start:stop]
         blocks.append(Block(
-            index=i, nodes=tuple(n.name for n in group), module=_module(group[0]),
-            fwd_flops_per_sample=f2 - f1, fwd_flops_fixed=max(0.0, 2 * f1 - f2),
-            params=tuple(params), activation_bytes_per_sample=float(a2 - a1),
+            index=i, name=name, units=(start, stop), first_node=group[0].nodes[0].name,
+            last_node=group[-1].nodes[-1].name,
+            signature=hashlib.sha256("|".join(u.signature for u in group).encode()).hexdigest()[:16],
+            num_ops=sum(len(u.nodes) for u in group),
+            fwd_flops=_sum(u.flops for u in group), fwd_bytes=_sum(u.traffic for u in group),
+            activation_bytes=_sum(u.activations for u in group),
+            params=tuple(sorted(set().union(*(u.params for u in group)))),
         ))
-        for n in group:
-            unit_of[n.name] = i
+    unit_of = {n.name: i for i, u in enumerate(us) for n in u.nodes}
+    per_unit = _boundaries(cap, unit_of, len(us))
     return ModelGraph(
         blocks=tuple(blocks), param_bytes=param_bytes,
-        boundary_bytes_per_sample=_boundaries(cap, unit_of, len(groups)),
-        input_bytes_per_sample=float(sum(
-            _bytes(placeholder_of[n].meta["val"], 2) - _bytes(placeholder_of[n].meta["val"], 1)
-            for n in cap.user_inputs)),
+        boundary_bytes=tuple(per_unit[b.units[1] - 1] for b in blocks[:-1]),
+        input_bytes=Fit.through(1, sum(_bytes(placeholder_of[n].meta["val"], 1) for n in cap.user_inputs),
+                                2, sum(_bytes(placeholder_of[n].meta["val"], 2) for n in cap.user_inputs)),
     )
 
 
-def _boundaries(cap: CapturedGraph, unit_of: dict[str, int], num_units: int) -> tuple[float, ...]:
-    """Bytes per sample of the tensors live across the cut after each unit."""
-    delta = [0.0] * (num_units + 1)
+def _sum(fits) -> Fit:
+    total = Fit.line(0.0, 0.0)
+    for f in fits:
+        total = total + f
+    return total
+
+
+def _boundaries(cap: CapturedGraph, unit_of: dict[str, int], num_units: int) -> list[Fit]:
+    """Bytes of the tensors live across the cut after each unit, as lines in the rows."""
+    delta = [[0.0, 0.0] for _ in range(num_units + 1)]
     outputs = {o.name for o in cap.outputs if isinstance(o, fx.Node)}
     for node in cap.gm.graph.nodes:
-        if node.op == "placeholder" and node.name not in cap.user_inputs:
-            continue
-        if node.name not in unit_of and node.op != "placeholder":
+        is_input = node.op == "placeholder" and node.name in cap.user_inputs
+        if not is_input and node.name not in unit_of:
             continue
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
@@ -119,13 +206,15 @@ def _boundaries(cap: CapturedGraph, unit_of: dict[str, int], num_units: int) -> 
         born = unit_of.get(node.name, -1)
         readers = [unit_of[u.name] for u in node.users if u.name in unit_of]
         dies = num_units if node.name in outputs else max(readers, default=born)
-        size = float(_bytes(val, 2) - _bytes(val, 1))
         start = max(born, 0)
         if dies > start:  # live across cuts start .. dies-1 (cut k lies between unit k and unit k+1)
-            delta[start] += size
-            delta[dies] -= size
-    live, out = 0.0, []
+            b1, b2 = _bytes(val, 1), _bytes(val, 2)
+            for k, sign in ((start, 1), (dies, -1)):
+                delta[k][0] += sign * (2 * b1 - b2)
+                delta[k][1] += sign * (b2 - b1)
+    live, out = [0.0, 0.0], []
     for k in range(num_units - 1):
-        live += delta[k]
-        out.append(live)
-    return tuple(out)
+        live = [live[0] + delta[k][0], live[1] + delta[k][1]]
+        out.append(Fit.line(*live))
+    out.append(Fit.line(0.0, 0.0))
+    return out

@@ -1,50 +1,95 @@
-"""Blocks: the units a plan assigns to stages, in the captured graph's execution order.
+"""The model as the planner sees it: blocks in execution order, with numbers as functions of the batch rows.
 
-A block is one operation of the captured graph together with the operations that must stay with it
-(the element reads of a multi-output op). Stages are contiguous ranges of blocks. Every number is per
-sample of the local batch, so the same graph serves any batch size.
+A block is a run of consecutive graph operations that belong to one module (a transformer layer, an
+embedding, a head), chosen coarse enough to plan quickly and fine enough to balance stages. Stages are
+contiguous ranges of blocks. Blocks with the same signature have the same structure and shapes (the N
+layers of a transformer), so one measurement serves all of them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A quantity as a function of the rows of a micro-batch: the largest of a few lines `fixed + per_row * rows`.
+
+    One line for a measured or counted quantity; two (compute and memory traffic) for a roofline time.
+
+    >>> Fit.line(2.0, 0.5).at(4)
+    4.0
+    >>> Fit(((1.0, 0.0), (0.0, 1.0))).at(3)
+    3.0
+    """
+
+    lines: tuple[tuple[float, float], ...] = ((0.0, 0.0),)
+
+    @classmethod
+    def line(cls, fixed: float, per_row: float) -> "Fit":
+        return cls(((float(fixed), float(per_row)),))
+
+    @classmethod
+    def through(cls, rows_a: float, value_a: float, rows_b: float, value_b: float) -> "Fit":
+        """The line through two measurements."""
+        per_row = (value_b - value_a) / (rows_b - rows_a)
+        return cls.line(value_a - per_row * rows_a, per_row)
+
+    def at(self, rows: float) -> float:
+        return max(0.0, max(f + p * rows for f, p in self.lines))
+
+    def __add__(self, other: "Fit") -> "Fit":
+        if len(self.lines) == 1 and len(other.lines) == 1:
+            (f1, p1), (f2, p2) = self.lines[0], other.lines[0]
+            return Fit.line(f1 + f2, p1 + p2)
+        raise TypeError("only single lines add; evaluate roofline fits with .at(rows) first")
+
+    def scaled(self, k: float) -> "Fit":
+        return Fit(tuple((f * k, p * k) for f, p in self.lines))
+
+
+ZERO = Fit.line(0.0, 0.0)
 
 
 @dataclass(frozen=True)
 class Block:
     index: int
-    nodes: tuple[str, ...]  # graph node names, in order
-    module: str  # FQN of the innermost module that ran it ("" for the root)
-    fwd_flops_per_sample: float
-    fwd_flops_fixed: float  # the part that does not grow with the batch
-    params: tuple[str, ...]  # FQNs of the parameters it reads (first name of tied ones)
-    activation_bytes_per_sample: float  # bytes of the tensors it produces
-
-    @property
-    def name(self) -> str:
-        return self.nodes[0]
+    name: str  # the module it belongs to, e.g. "layers.17" ("" for the root module)
+    units: tuple[int, int]  # [start, stop) of the splitter's units (capture.split.units)
+    first_node: str
+    last_node: str
+    signature: str  # equal for blocks of equal structure and shapes
+    num_ops: int
+    fwd_flops: Fit  # forward FLOPs
+    fwd_bytes: Fit  # bytes its forward ops read and write (memory traffic)
+    activation_bytes: Fit  # bytes of the tensors its forward produces (an upper bound of what backward keeps)
+    params: tuple[str, ...]  # FQNs of the parameters it reads (tied parameters under one name)
 
 
 @dataclass(frozen=True)
 class ModelGraph:
-    """What partition and plan need to know about a model, as plain numbers."""
+    """What the planner needs to know about a model, as plain numbers."""
 
     blocks: tuple[Block, ...]
-    param_bytes: dict[str, int]  # FQN -> bytes, every parameter read by some block
-    boundary_bytes_per_sample: tuple[float, ...]  # bytes live across the cut after block i
-    input_bytes_per_sample: float
+    param_bytes: dict[str, int]  # FQN -> bytes, every parameter some block reads
+    boundary_bytes: tuple[Fit, ...]  # bytes live across the cut after block i (i < num_blocks - 1)
+    input_bytes: Fit  # bytes of the tensor inputs of one call
     fingerprint: str = field(default="")
 
     def __post_init__(self):
         if not self.fingerprint:
-            text = json.dumps([[b.nodes, b.params] for b in self.blocks])
+            text = json.dumps([[b.first_node, b.last_node, b.params] for b in self.blocks])
             object.__setattr__(self, "fingerprint", hashlib.sha256(text.encode()).hexdigest()[:16])
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def num_units(self) -> int:
+        return self.blocks[-1].units[1] if self.blocks else 0
 
     def params_of(self, start: int, stop: int) -> set[str]:
         return {p for b in self.blocks[start:stop] for p in b.params}
@@ -52,5 +97,6 @@ class ModelGraph:
     def param_bytes_of(self, start: int, stop: int) -> int:
         return sum(self.param_bytes[p] for p in self.params_of(start, stop))
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def stage_of_unit(self, stage_of_block: list[int]) -> list[int]:
+        """Expand a per-block stage assignment to the splitter's units."""
+        return [stage for block, stage in zip(self.blocks, stage_of_block) for _ in range(*block.units)]

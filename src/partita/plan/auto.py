@@ -49,7 +49,7 @@ def check_batch(rows_per_replica: int, num_microbatches: int, num_replicas: int,
 def stage_memory(graph: ModelGraph, blocks: tuple[int, int], optimizer_factor: float, rows_in_flight: int) -> int:
     """Parameters, gradients, optimizer state and held activations of one stage, in bytes."""
     params = graph.param_bytes_of(*blocks)
-    acts = sum(b.activation_bytes_per_sample for b in graph.blocks[blocks[0]:blocks[1]])
+    acts = sum(b.activation_bytes.at(1) for b in graph.blocks[blocks[0]:blocks[1]])
     return int(params * (2 + optimizer_factor) + acts * rows_in_flight)
 
 
@@ -66,7 +66,7 @@ def make_plan(graph: ModelGraph, world_size: int, num_stages: int, schedule: str
     per_rank = stages_per_rank(schedule)
     pipeline_size = num_stages // per_rank
     replicas = world_size // pipeline_size
-    costs = [b.fwd_flops_per_sample * max(local_batch, 1) + b.fwd_flops_fixed for b in graph.blocks]
+    costs = [b.fwd_flops.at(max(local_batch, 1)) for b in graph.blocks]
     ranges = balance(costs, num_stages)
     mb_rows = max(1, pipeline_size * max(local_batch, 1) // num_microbatches)
     layout = rank_layout(schedule, num_stages, replicas)
@@ -76,10 +76,10 @@ def make_plan(graph: ModelGraph, world_size: int, num_stages: int, schedule: str
         rows = mb_rows * _in_flight(schedule, position, pipeline_size, num_microbatches)
         params = graph.params_of(start, stop)
         stages.append(StagePlan(
-            index=s, blocks=(start, stop), first_node=graph.blocks[start].name,
-            last_node=graph.blocks[stop - 1].nodes[-1], ranks=tuple(layout[s]),
+            index=s, blocks=(start, stop), first_node=graph.blocks[start].first_node,
+            last_node=graph.blocks[stop - 1].last_node, ranks=tuple(layout[s]),
             num_params=len(params), param_bytes=graph.param_bytes_of(start, stop),
-            fwd_flops_per_sample=sum(b.fwd_flops_per_sample for b in graph.blocks[start:stop]),
+            fwd_flops_per_sample=sum(b.fwd_flops.at(1) for b in graph.blocks[start:stop]),
             memory_bytes=stage_memory(graph, (start, stop), optimizer_factor, rows),
         ))
     return Plan(
