@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "partita"
-PURE = ["graph", "plan"]
+PURE = ["graph", "plan", "schedule", "sim"]
 
 
 def imports(path: Path) -> set[str]:

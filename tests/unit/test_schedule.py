@@ -1,0 +1,174 @@
+"""Schedules as data: the Action text form, the size rules, and the invariants of every generated order."""
+
+import pytest
+
+from partita.plan.plan import SCHEDULES, stage_to_pipeline_rank
+from partita.schedule import (Action, check_sizes, microbatches_in_flight, orders, peak_activation_bytes,
+                              validate_orders)
+
+
+def text(order):
+    return " ".join(map(str, order))
+
+
+# (schedule, stages, pipeline size, micro-batches): sizes torch accepts
+TABLE = (
+    [("GPipe", s, s, m) for s in (1, 2, 4) for m in (1, 3, 8)]
+    + [("1F1B", s, s, m) for s in (1, 2, 4, 5) for m in (5, 8, 13)]
+    + [(name, k * p, p, m) for name in ("LoopedBFS", "Interleaved1F1B", "InterleavedZeroBubble")
+       for k in (1, 2, 3) for p in (1, 2, 4) for m in (1, 2, 4, 6, 8, 12)]
+    + [("ZBVZeroBubble", 2 * p, p, m) for p in (1, 2, 3, 4) for m in (1, 3, 7, 8, 16)]
+    + [("DualPipeV", 2 * p, p, m) for p in (1, 2, 3, 4) for m in (2 * p, 2 * p + 1, 16)]
+)
+
+
+# ---- Action ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("action", [Action(0, "F", 0), Action(2, "F", 3), Action(13, "B", 107), Action(1, "I", 4),
+                                    Action(5, "W", 0)])
+def test_action_text_round_trip(action):
+    assert Action.parse(str(action)) == action
+    assert str(Action.parse(f" {action} ")) == str(action)
+
+
+def test_action_text_form_is_torchs():
+    assert str(Action(2, "F", 3)) == "2F3"
+    assert Action.parse("10B2") == (10, "B", 2)
+
+
+@pytest.mark.parametrize("bad", ["", "F3", "2F", "2X3", "2F3x", "-1F0", "2 F 3", "2UNSHARD"])
+def test_action_parse_rejects_other_text(bad):
+    with pytest.raises(ValueError, match="is not an action"):
+        Action.parse(bad)
+
+
+# ---- sizes torch accepts ------------------------------------------------------------------------------
+@pytest.mark.parametrize("args,message", [
+    (("Zigzag", 2, 2, 4), "unknown schedule 'Zigzag'; choose one of GPipe, 1F1B"),
+    (("GPipe", 2, 2, 0), "num_microbatches must be at least 1"),
+    (("GPipe", 4, 2, 4), r"GPipe runs one stage per rank: num_stages \(4\) must equal pipeline_size \(2\)"),
+    (("1F1B", 4, 4, 3), "1F1B needs at least as many micro-batches as stages: 3 < 4. Use num_microbatches=4"),
+    (("LoopedBFS", 5, 2, 4), r"num_stages \(5\) must be a multiple of pipeline_size \(2\), e.g. 4"),
+    (("Interleaved1F1B", 8, 4, 9), r"2 equal rounds, so num_microbatches \(9\) must be a multiple of 2; use "
+                                   r"num_microbatches=8"),
+    (("InterleavedZeroBubble", 8, 4, 13), "use num_microbatches=12"),
+    (("ZBVZeroBubble", 6, 2, 8), r"exactly two stages on each rank: num_stages \(6\) must be 2 x pipeline_size"),
+    (("DualPipeV", 4, 2, 3), "DualPipeV needs at least as many micro-batches as stages: 3 < 4"),
+])
+def test_sizes_torch_rejects_raise_with_rule_and_fix(args, message):
+    with pytest.raises(ValueError, match=message):
+        orders(*args)
+
+
+@pytest.mark.parametrize("num_microbatches", range(1, 40))
+@pytest.mark.parametrize("pipeline_size", [2, 3, 4, 8])
+def test_interleaved_suggestion_is_accepted(pipeline_size, num_microbatches):
+    try:
+        check_sizes("Interleaved1F1B", 2 * pipeline_size, pipeline_size, num_microbatches)
+    except ValueError as error:
+        suggested = int(str(error).rsplit("=", 1)[1].rstrip("."))
+        check_sizes("Interleaved1F1B", 2 * pipeline_size, pipeline_size, suggested)
+
+
+# ---- invariants of every generated order --------------------------------------------------------------
+@pytest.mark.parametrize("schedule,num_stages,pipeline_size,num_microbatches", TABLE)
+def test_orders_are_complete_and_well_ordered(schedule, num_stages, pipeline_size, num_microbatches):
+    result = orders(schedule, num_stages, pipeline_size, num_microbatches)
+    assert len(result) == pipeline_size
+    validate_orders(result, num_stages, num_microbatches)
+    for rank, order in enumerate(result):
+        assert {a.stage for a in order} == {s for s in range(num_stages)
+                                            if stage_to_pipeline_rank(schedule, s, pipeline_size) == rank}
+    # each stage runs its forwards in micro-batch order (the runtime feeds inputs in that order)
+    for order in result:
+        for stage in {a.stage for a in order}:
+            forwards = [a.microbatch for a in order if a.stage == stage and a.op == "F"]
+            assert forwards == list(range(num_microbatches))
+
+
+def test_every_schedule_the_planner_knows_is_generated():
+    for schedule in SCHEDULES:
+        check_sizes(schedule, 4, 2 if schedule not in ("GPipe", "1F1B") else 4, 8)
+        assert orders(schedule, 4, 2 if schedule not in ("GPipe", "1F1B") else 4, 8)
+
+
+# ---- hand-checked small cases -------------------------------------------------------------------------
+def test_gpipe_runs_every_forward_then_every_backward():
+    assert [text(o) for o in orders("GPipe", 2, 2, 3)] == ["0F0 0F1 0F2 0B0 0B1 0B2", "1F0 1F1 1F2 1B0 1B1 1B2"]
+
+
+def test_1f1b_warms_up_num_stages_minus_stage_forwards():
+    assert [text(o) for o in orders("1F1B", 3, 3, 4)] == [
+        "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3",
+        "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3",
+        "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3",
+    ]
+
+
+def test_looped_bfs_runs_backwards_in_reverse():
+    assert [text(o) for o in orders("LoopedBFS", 4, 2, 2)] == ["0F0 0F1 2F0 2F1 2B1 2B0 0B1 0B0",
+                                                               "1F0 1F1 3F0 3F1 3B1 3B0 1B1 1B0"]
+
+
+def test_interleaved_1f1b_goes_depth_first_in_rounds():
+    assert [text(o) for o in orders("Interleaved1F1B", 4, 2, 4)] == [
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
+    ]
+
+
+def test_interleaved_zero_bubble_lags_weights_by_rank():
+    assert [text(o) for o in orders("InterleavedZeroBubble", 4, 2, 2)] == [
+        "0F0 0F1 2F0 2F1 2I0 2W0 2I1 2W1 0I0 0W0 0I1 0W1",
+        "1F0 1F1 3F0 3I0 3F1 3I1 3W0 1I0 3W1 1I1 1W0 1W1",
+    ]
+
+
+def test_v_shaped_orders_on_one_rank():
+    assert text(orders("ZBVZeroBubble", 2, 1, 2)[0]) == "0F0 1F0 1I0 1W0 0F1 0I0 0W0 1F1 1I1 1W1 0I1 0W1"
+    assert text(orders("DualPipeV", 2, 1, 2)[0]) == "0F0 1F0 0F1 1B0 1F1 0B0 1B1 0I1 0W1"
+
+
+# ---- validation ---------------------------------------------------------------------------------------
+def parse_orders(*rows):
+    return [[Action.parse(a) for a in row.split()] for row in rows]
+
+
+@pytest.mark.parametrize("rows,message", [
+    (("0B0 0F0",), "rank 0, position 0: 0B0 runs before its forward 0F0"),
+    (("0F0 0W0 0I0",), "rank 0, position 1: 0W0 runs before its input-gradient backward 0I0"),
+    (("0F0 0F0 0B0",), "rank 0, position 1: 0F0 runs twice"),
+    (("0F0",), "stage 0, micro-batch 0 runs F; it needs F and B, or F, I and W"),
+    (("0F0 0I0 0B0",), "stage 0, micro-batch 0 runs BFI"),
+    (("0F0 0B0 1F0", "1B0"), "rank 1, position 0: 1B0: stage 1 also runs on rank 0"),
+    (("0F0 0B0 2F0 2B0",), "rank 0, position 2: 2F0 is outside the schedule: stages 0..1"),
+    (("0F0 0B0 0F1 0B1",), "0F1 is outside the schedule"),
+])
+def test_validate_names_the_broken_rule(rows, message):
+    with pytest.raises(ValueError, match=message):
+        validate_orders(parse_orders(*rows), num_stages=2 if len(rows) > 1 or "2F0" in rows[0] else 1,
+                        num_microbatches=1)
+
+
+# ---- memory-relevant facts ----------------------------------------------------------------------------
+@pytest.mark.parametrize("num_stages,num_microbatches", [(1, 1), (4, 4), (4, 16), (8, 9)])
+def test_in_flight_gpipe_holds_all_1f1b_holds_stages_to_go(num_stages, num_microbatches):
+    gpipe = microbatches_in_flight(orders("GPipe", num_stages, num_stages, num_microbatches), num_stages)
+    assert gpipe == (num_microbatches,) * num_stages
+    one_f_one_b = microbatches_in_flight(orders("1F1B", num_stages, num_stages, num_microbatches), num_stages)
+    assert one_f_one_b == tuple(num_stages - s for s in range(num_stages))
+
+
+def test_peak_activation_bytes_counts_a_ranks_stages_together():
+    result = orders("Interleaved1F1B", 4, 2, 4)
+    assert peak_activation_bytes(result, [1.0] * 4) == (5.0, 3.0)
+    in_flight = microbatches_in_flight(result, 4)
+    assert in_flight == (4, 3, 2, 1)  # rank 0: 4 + 2 > 5, the peaks of its two stages do not coincide
+
+
+def test_docstring_examples_run():
+    import doctest
+    import importlib
+
+    for name in ("action", "generate", "interleaved", "v_shaped", "validate", "inflight"):
+        module = importlib.import_module(f"partita.schedule.{name}")
+        assert doctest.testmod(module).failed == 0, name
