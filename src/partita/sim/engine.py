@@ -50,14 +50,12 @@ def simulate(orders: Sequence[Sequence[Action]], costs: StageCosts, tail_s: Sequ
                   BACKWARD_INPUT: costs.backward_input_s, BACKWARD_WEIGHT: costs.backward_weight_s}
     last_stage = num_stages - 1
 
-    # An input is keyed by microbatch * num_stages + stage of the stage that consumes it. For each kind of
-    # input, one dict says when it reaches its rank and one which rank is parked waiting for it.
-    activations_at_s: dict[int, float] = {}
-    gradients_at_s: dict[int, float] = {}
-    parked_on_activations: dict[int, int] = {}
-    parked_on_gradients: dict[int, int] = {}
-    waits_on = {FORWARD: (activations_at_s, parked_on_activations), FULL_BACKWARD: (gradients_at_s, parked_on_gradients),
-                BACKWARD_INPUT: (gradients_at_s, parked_on_gradients), BACKWARD_WEIGHT: (None, None)}
+    # Per kind of input, keyed by microbatch * num_stages + stage of the stage that consumes it: when the
+    # input reaches that stage's rank, and which rank is parked waiting for it.
+    on_activations: tuple[dict[int, float], dict[int, int]] = ({}, {})
+    on_gradients: tuple[dict[int, float], dict[int, int]] = ({}, {})
+    waits_on = {FORWARD: on_activations, FULL_BACKWARD: on_gradients, BACKWARD_INPUT: on_gradients,
+                BACKWARD_WEIGHT: (None, None)}
     starts_s: list[list[float]] = [[] for _ in orders]
     ends_s: list[list[float]] = [[] for _ in orders]
     busy_s = [0.0] * num_ranks
@@ -88,15 +86,15 @@ def simulate(orders: Sequence[Sequence[Action]], costs: StageCosts, tail_s: Sequ
             # gradient of B or I to the previous stage
             if op == FORWARD:
                 if stage == last_stage:
-                    key, arrived, outputs_at_s, parked = key, clock, gradients_at_s, parked_on_gradients
+                    arrived, (outputs_at_s, parked) = clock, on_gradients
                 else:
                     key, arrived = key + 1, clock + send_activations_s[stage]
-                    outputs_at_s, parked = activations_at_s, parked_on_activations
+                    outputs_at_s, parked = on_activations
             elif op == BACKWARD_WEIGHT or not stage:
                 continue
             else:
                 key, arrived = key - 1, clock + send_gradients_s[stage]
-                outputs_at_s, parked = gradients_at_s, parked_on_gradients
+                outputs_at_s, parked = on_gradients
             outputs_at_s[key] = arrived
             waiting = parked.pop(key, None)
             if waiting is not None:
