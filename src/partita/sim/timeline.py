@@ -10,6 +10,7 @@ from html import escape
 from pathlib import Path
 from typing import NamedTuple
 
+from partita.schedule.action import FORWARD
 from partita.sim.trace import SEND_ACTIVATIONS, SEND_GRADIENTS, TAIL, Trace
 
 # One colour family per op; successive stages of the same rank (looped, V-shaped) take successive shades.
@@ -85,6 +86,8 @@ def _legend(trace: Trace) -> list[tuple[str, str]]:
     ops = {action.op for order in trace.orders for action in order}
     names = {"F": "forward", "B": "backward", "I": "input-grad backward", "W": "weight-grad backward"}
     legend = [(COLOURS[op][0], names[op]) for op in "FBIW" if op in ops]
+    if any(len({action.stage for action in order}) > 1 for order in trace.orders):
+        legend.append((COLOURS[FORWARD][1], "lighter: a rank's next stage"))
     return legend + [(TRANSFER_COLOUR, "sends (activations above, gradients below)"), (TAIL_COLOUR, "after pipeline")]
 
 
