@@ -1,0 +1,87 @@
+"""Devices, links and clusters: numbers only, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Link:
+    """A connection's cost: `latency_s + bytes / bandwidth_bps` seconds per message (an alpha-beta model)."""
+
+    latency_s: float
+    bandwidth_bps: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_bps if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    memory_bytes: int
+    flops: dict[str, float]  # peak dense FLOP/s by dtype name ("float32", "bfloat16", "float16")
+    mem_bandwidth_bps: float
+    matmul_efficiency: float  # fraction of peak that large matmuls reach
+    op_overhead_s: float  # fixed cost of launching one op
+    fixed_overhead_bytes: int  # memory a process uses before the model (CUDA context, allocator, libraries)
+    intra_node: Link  # between devices of one node
+    inter_node: Link  # between nodes, per device
+    devices_per_node: int
+    source: str
+
+    def peak_flops(self, dtype: str) -> float:
+        return self.flops.get(dtype, self.flops["float32"])
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`num_nodes` nodes of `devices_per_node` devices; rank r is device r % devices_per_node of node r // that."""
+
+    device: DeviceSpec
+    num_nodes: int
+    devices_per_node: int
+    # measured links replace the device's nominal ones (a real run measures its own backend)
+    p2p: Link | None = None
+    allreduce: Link | None = None  # measured all-reduce of `allreduce_ranks` ranks
+    allreduce_ranks: int = 0
+    memory_bytes: int = 0  # per rank, when less than the device's (shared host RAM, a user limit)
+    fixed_overhead_bytes: int = -1  # measured; -1: the device preset's
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    @property
+    def memory_per_rank(self) -> int:
+        return self.memory_bytes or self.device.memory_bytes
+
+    @property
+    def overhead_bytes(self) -> int:
+        return self.fixed_overhead_bytes if self.fixed_overhead_bytes >= 0 else self.device.fixed_overhead_bytes
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    def link(self, a: int, b: int) -> Link:
+        if self.p2p is not None:
+            return self.p2p
+        return self.device.intra_node if self.node_of(a) == self.node_of(b) else self.device.inter_node
+
+    def allreduce_s(self, nbytes: float, ranks: tuple[int, ...] | list[int]) -> float:
+        """Seconds to sum `nbytes` over `ranks` with a ring: 2(n-1) steps of nbytes/n on the slowest link."""
+        n = len(ranks)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        if self.allreduce is not None and self.allreduce_ranks > 1:
+            # the measured fit, rescaled from its group size to this one by the ring's step count and volume
+            w = self.allreduce_ranks
+            return (self.allreduce.latency_s * (n - 1) / (w - 1)
+                    + nbytes / self.allreduce.bandwidth_bps * ((n - 1) / n) / ((w - 1) / w))
+        nodes = {self.node_of(r) for r in ranks}
+        link = self.device.inter_node if len(nodes) > 1 else self.device.intra_node
+        return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth_bps
+
+    def describe(self) -> str:
+        return f"{self.num_nodes} x {self.devices_per_node} x {self.device.name}"

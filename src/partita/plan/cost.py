@@ -1,0 +1,178 @@
+"""Time and memory of one stage under one layout: the planner's cost model (pure Python).
+
+Memory of a rank = parameters + gradients + optimizer state (copies of the parameters the user's optimizer
+keeps: SGD 0, SGD with momentum 1, Adam 2) + activations kept for the backward (per micro-batch, times the
+micro-batches the schedule holds at once on that stage; with recomputation only the stage's inputs are kept,
+plus one micro-batch's activations while it is recomputed) + communication buffers (torch's PipelineStage
+allocates a receive buffer per micro-batch for activations and for gradients; the gradient all-reduce packs
+buckets) + the process's fixed overhead.
+
+Time of a stage per micro-batch = forward + backward (+ forward again when recomputed); transfers to the
+neighbour stages; and, after the pipeline drains, the all-reduce of its gradients over its replicas and the
+optimizer step, which partita's runtime does not overlap with the pipeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from partita.cluster import Cluster
+from partita.graph import ModelGraph, Profile
+from partita.plan.plan import LOOPED_SCHEDULES, V_SCHEDULES, rank_layout
+from partita.schedule import orders
+from partita.schedule.inflight import microbatches_in_flight
+
+GRAD_BUCKET_BYTES = 32 * 2**20  # partita.runtime.grads.BUCKET_BYTES
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every choice of a plan except where the stage boundaries fall."""
+
+    schedule: str
+    num_stages: int
+    pipeline_size: int
+    num_replicas: int
+    num_microbatches: int
+    microbatch_rows: int
+
+    @property
+    def data_parallel_only(self) -> bool:
+        return self.num_stages == 1 and self.num_microbatches == 1
+
+    def describe(self) -> str:
+        return (f"{self.num_stages} stage(s) x {self.num_replicas} replica(s), {self.schedule}, "
+                f"{self.num_microbatches} micro-batch(es) of {self.microbatch_rows} rows")
+
+
+def stages_per_rank(schedule: str) -> int:
+    return 2 if schedule in LOOPED_SCHEDULES + V_SCHEDULES else 1
+
+
+@dataclass(frozen=True)
+class Memory:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.overhead
+
+    def __add__(self, other: "Memory") -> "Memory":
+        return Memory(*(a + b for a, b in zip(self.astuple(), other.astuple())))
+
+    def astuple(self) -> tuple[int, ...]:
+        return (self.params, self.grads, self.optimizer, self.activations, self.buffers, self.overhead)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    blocks: tuple[int, int]
+    recompute: bool
+    fwd_s: float
+    bwd_s: float  # includes the recomputed forward
+    send_fwd_s: float  # its outputs to the next stage's rank, per micro-batch
+    send_bwd_s: float  # its input gradients to the previous stage's rank, per micro-batch
+    memory: Memory  # without the process overhead (a rank-level cost)
+    param_bytes: int
+    allreduce_s: float  # summing its gradients over its replicas, after the pipeline
+    optimizer_s: float  # the optimizer step on its parameters
+
+    @property
+    def work_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+class CostModel:
+    """Costs of candidate stages for one layout; stage costs are cached by (stage, blocks)."""
+
+    def __init__(self, graph: ModelGraph, profile: Profile, cluster: Cluster, optimizer_factor: float,
+                 layout: Layout, writes_buffers: tuple[bool, ...] = ()):
+        self.graph, self.profile, self.cluster, self.layout = graph, profile, cluster, layout
+        self.optimizer_factor = optimizer_factor
+        rows = layout.microbatch_rows
+        n = graph.num_blocks
+        self._fwd = _prefix([profile.blocks[i].fwd_s.at(rows) for i in range(n)])
+        self._bwd = _prefix([profile.blocks[i].bwd_s.at(rows) for i in range(n)])
+        self._act = _prefix([profile.blocks[i].activation_bytes.at(rows) for i in range(n)])
+        self._boundary = [b.at(rows) for b in graph.boundary_bytes]
+        self._writes = writes_buffers or (False,) * n
+        self.ranks = rank_layout(layout.schedule, layout.num_stages, layout.num_replicas)  # [stage][replica]
+        self.in_flight = microbatches_in_flight(
+            orders(layout.schedule, layout.num_stages, layout.pipeline_size, layout.num_microbatches),
+            layout.num_stages)
+        self._stage = lru_cache(maxsize=None)(self._compute_stage)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.graph.num_blocks
+
+    def fwd_until(self, stop: int) -> float:
+        return self._fwd[stop]
+
+    def fwd_total(self) -> float:
+        return self._fwd[-1]
+
+    def work(self, start: int, stop: int) -> float:
+        """Forward + backward seconds of blocks [start, stop) per micro-batch, without recomputation."""
+        return self._fwd[stop] - self._fwd[start] + self._bwd[stop] - self._bwd[start]
+
+    def boundary_s(self, stage: int, cut: int) -> float:
+        """Seconds to move the tensors live at `cut` (after block cut-1) from `stage` to `stage + 1`."""
+        if cut <= 0 or cut >= self.num_blocks:
+            return 0.0
+        a, b = self.ranks[stage][0], self.ranks[stage + 1][0]
+        return 0.0 if a == b else self.cluster.link(a, b).seconds(self._boundary[cut - 1])
+
+    def stage(self, stage: int, start: int, stop: int, recompute: bool | None = None) -> StageCost | None:
+        """The cheapest feasible way to run blocks [start, stop) as `stage`: without recomputation if it fits
+        in memory, else with it (never for a stage that updates buffers, e.g. BatchNorm statistics, which a
+        recomputation would update twice). None if neither fits."""
+        return self._stage(stage, start, stop, recompute)
+
+    def _compute_stage(self, stage: int, start: int, stop: int, recompute: bool | None) -> StageCost | None:
+        layout = self.layout
+        params = self.graph.param_bytes_of(start, stop)
+        fwd = self._fwd[stop] - self._fwd[start]
+        bwd = self._bwd[stop] - self._bwd[start]
+        acts = self._act[stop] - self._act[start]
+        in_bytes = self._boundary[start - 1] if start > 0 else 0.0
+        out_bytes = self._boundary[stop - 1] if stop < self.num_blocks else 0.0
+        held = self.in_flight[stage]
+        pipelined = not layout.data_parallel_only
+        grads = params * (2 if pipelined else 1)  # pipelines hold fresh gradients beside .grad until they are summed
+        buffers = (layout.num_microbatches * (in_bytes + out_bytes) if pipelined else 0) + min(params, GRAD_BUCKET_BYTES)
+        budget = self.cluster.memory_per_rank - self.cluster.overhead_bytes
+        writes = any(self._writes[start:stop])
+        options = [False, True] if recompute is None else [recompute]
+        for rc in options:
+            if rc and writes:
+                continue
+            kept = (in_bytes * held + acts) if rc else acts * held
+            memory = Memory(int(params), int(grads), int(params * self.optimizer_factor), int(kept), int(buffers), 0)
+            if memory.total <= budget:
+                return StageCost(
+                    blocks=(start, stop), recompute=rc, fwd_s=fwd, bwd_s=bwd + (fwd if rc else 0.0),
+                    send_fwd_s=self.boundary_s(stage, stop), send_bwd_s=self.boundary_s(stage - 1, start) if stage else 0.0,
+                    memory=memory, param_bytes=int(params), allreduce_s=self.allreduce_s(stage, int(params)),
+                    optimizer_s=self.optimizer_s(int(params)))
+        return None
+
+    def allreduce_s(self, stage: int, param_bytes: int) -> float:
+        return self.cluster.allreduce_s(param_bytes, self.ranks[stage])
+
+    def optimizer_s(self, param_bytes: int) -> float:
+        """The optimizer step is memory-bound: read weights, gradients and state, write weights and state."""
+        return param_bytes * (3 + 2 * self.optimizer_factor) / self.cluster.device.mem_bandwidth_bps
+
+
+def _prefix(values: list[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
