@@ -33,6 +33,12 @@ def bar(step: int, total: int, loss: float, width: int = 30) -> None:
         print(f"  [{'#' * done}{'.' * (width - done)}] step {step:3d}/{total}  loss {loss:.4f}", flush=True)
 
 
+def process_bytes() -> int:
+    """Memory this process uses now (resident set)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def train(model, optimizer, batches, steps: int) -> tuple[float, float]:
     """Train `steps` steps; return (seconds after the first step, last loss)."""
     start, loss = None, float("nan")
@@ -80,11 +86,11 @@ def gpt_part(world: int, rank: int) -> None:
     torch.manual_seed(0)
     model = SmallGPT(vocab=vocab, dim=dim, heads=4, layers=layers, context=context)
     params = sum(p.numel() for p in model.parameters())
-    limit = 32 * 2**20  # one stage would need more (weights, grads, 2 Adam moments, activations), two fit
-    os.environ["PARTITA_MEMORY_LIMIT"] = str(limit)
+    free = 32 * 2**20  # one stage would need more (weights, grads, 2 Adam moments, activations), two fit
+    os.environ["PARTITA_MEMORY_LIMIT"] = str(process_bytes() + free)
     say(f"\n[2/2] small GPT: {layers} layers, d={dim}, tied embedding/LM head, {params / 1e6:.2f} M parameters, "
-        f"local batch {local_batch} x {context} tokens, Adam; planning as if each rank had "
-        f"{limit / 2**20:.1f} MiB (PARTITA_MEMORY_LIMIT)")
+        f"local batch {local_batch} x {context} tokens, Adam; planning as if each rank had only "
+        f"{free / 2**20:.0f} MiB free beyond what its process uses (PARTITA_MEMORY_LIMIT)")
 
     def batches(step):
         g = torch.Generator().manual_seed(1000 + step * world + rank)

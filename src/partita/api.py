@@ -23,8 +23,11 @@ from partita.capture.split import carry_stages, check_ownership, units
 from partita.errors import BatchError, PartitaError, PlanError
 from partita.graph import ModelGraph
 from partita.launch import env
-from partita.plan.auto import auto_plan
+from partita.cluster import Cluster
+from partita.graph.profile import roofline_profile
+from partita.plan import choose_plan
 from partita.plan.plan import Plan
+from partita.profile import device_spec, measure
 from partita.runtime.engine import Engine, Place, agree
 from partita.runtime.grads import GradSync
 from partita.runtime.groups import gradient_groups, param_ranks, pipeline_groups, stage_groups
@@ -47,6 +50,18 @@ def parse_bytes(text: str) -> int:
     if unit not in _UNITS or not number:
         raise PlanError(f"cannot read {text!r} as a size; write e.g. 512MiB or 40GB")
     return int(float(number) * _UNITS[unit])
+
+
+def _log_to_stderr() -> None:
+    """partita reports the plan it chose on stderr, unless the application configured logging for it or
+    PARTITA_LOG=off."""
+    if log.handlers or os.environ.get("PARTITA_LOG", "").lower() == "off":
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("partita: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def _device_memory(device: torch.device, local_world_size: int) -> int:
@@ -181,7 +196,7 @@ class ParallelModule(nn.Module):
             planned = capture(self.module, args, kwargs)
         self._graph = model_graph(planned)
         local_batch = tensors[0].shape[0] if tensors else 0
-        plan = self._agreed_plan(local_batch)
+        plan = self._agreed_plan(planned, local_batch)
         stage_of_unit = self._graph.stage_of_unit(plan.stage_of_block())
         for group, stage in zip(units(planned), stage_of_unit):
             for node in group:
@@ -196,6 +211,7 @@ class ParallelModule(nn.Module):
         broadcast_tensors(list(self.module.state_dict(keep_vars=True).values()), world.device)
         self._plan = plan
         if world.rank == 0:
+            _log_to_stderr()
             log.info("%s", plan.explain())
         if plan.num_stages == 1 and plan.num_microbatches == 1:
             self._ddp = self._make_ddp(planned)
@@ -212,13 +228,17 @@ class ParallelModule(nn.Module):
         if self._optimizer is not None and self._place is not None:
             patch_optimizer(self._optimizer, self._full_optimizer_state, self._keep_local_optimizer_state)
 
-    def _agreed_plan(self, local_batch: int) -> Plan:
-        """Rank 0 plans (or loads the given plan); every rank gets the same plan or the same error."""
+    def _agreed_plan(self, cap: CapturedGraph, local_batch: int) -> Plan:
+        """Every rank measures its share (unless a plan was given or the measurements are cached), rank 0
+        plans; every rank gets the same plan or the same error."""
         world = env.world()
         result: list = [None]
+        profile = cluster = None
+        if self._given_plan is None:
+            profile, cluster = self._measure(cap, local_batch)
         if world.rank == 0:
             try:
-                result[0] = self._make_plan(local_batch).to_json()
+                result[0] = self._make_plan(local_batch, profile, cluster).to_json()
             except PartitaError as e:  # every rank raises it, none waits for a plan that never comes
                 result[0] = e
         if world.world_size > 1:
@@ -229,7 +249,21 @@ class ParallelModule(nn.Module):
         agree(f"model graph {self._graph.fingerprint}", "the model they captured (different models or inputs)")
         return plan
 
-    def _make_plan(self, local_batch: int) -> Plan:
+    def _measure(self, cap: CapturedGraph, local_batch: int):
+        """(profile, cluster) on rank 0, (None, None) elsewhere: measured on this job's devices, or estimated
+        from the device preset when PARTITA_PROFILE=estimate (faster, less exact)."""
+        world = env.world()
+        memory = _device_memory(world.device, world.local_world_size)
+        if os.environ.get("PARTITA_PROFILE", "measure") == "estimate":
+            if world.rank != 0:
+                return None, None
+            spec = device_spec(world.device)
+            per_node = max(1, min(world.local_world_size, world.world_size))
+            cluster = Cluster(spec, max(1, world.world_size // per_node), per_node, memory_bytes=memory)
+            return roofline_profile(self._graph, spec), cluster
+        return measure(cap, self._graph, local_batch, world.device, world.local_world_size, memory)
+
+    def _make_plan(self, local_batch: int, profile, cluster) -> Plan:
         world = env.world()
         if self._given_plan is not None:
             plan = self._given_plan if isinstance(self._given_plan, Plan) else Plan.load(self._given_plan)
@@ -240,11 +274,8 @@ class ParallelModule(nn.Module):
                     "model, or drop plan=... to let partita plan."
                 )
             return plan.validate(world.world_size)
-        return auto_plan(
-            self._graph, world_size=world.world_size, local_batch=local_batch,
-            device_memory_bytes=_device_memory(world.device, world.local_world_size),
-            optimizer_factor=optimizer_state_factor(self._optimizer), **self._overrides,
-        )
+        return choose_plan(self._graph, profile, cluster, global_batch=local_batch * world.world_size,
+                           optimizer_factor=optimizer_state_factor(self._optimizer), **self._overrides)
 
     def _buffer_owners(self, cap: CapturedGraph, plan: Plan) -> dict[str, int]:
         """Buffers belong to the first rank of the first stage whose operations use them."""

@@ -29,9 +29,10 @@ def test_pure_packages_import_no_torch_and_no_runtime():
 
 def test_planner_runs_without_torch():
     code = ("import sys; sys.modules['torch'] = None; "
-            "from partita.plan import auto_plan; from partita.graph import Block, ModelGraph; "
+            "from partita.plan import choose_plan; from partita.graph import Block, BlockCost, ModelGraph, Profile; "
             "from partita.graph.graph import Fit; f = Fit.line(0, 1); "
             "g = ModelGraph((Block(0, 'l', (0, 1), 'a', 'a', 's', 1, f, f, f, ('p',)),), {'p': 4}, (), f); "
-            "print(auto_plan(g, world_size=1, local_batch=1, device_memory_bytes=0, optimizer_factor=0).num_stages)")
+            "from partita.cluster import parse_cluster; p = Profile('t', (BlockCost(f, f, f),)); "
+            "print(choose_plan(g, p, parse_cluster('1xA100-40GB'), global_batch=1, optimizer_factor=0).num_stages)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(SRC.parent)})
     assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr

@@ -2,7 +2,7 @@
 
 import pytest
 
-from partita.plan.plan import SCHEDULES, SINGLE_STAGE_SCHEDULES, stage_to_pipeline_rank
+from partita.schedule.placement import SCHEDULES, SINGLE_STAGE_SCHEDULES, stage_to_pipeline_rank
 from partita.schedule import (Action, check_sizes, microbatches_in_flight, orders, peak_activation_bytes,
                               validate_orders)
 

@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from partita.capture.export import CapturedGraph
 from partita.capture.shapes import concrete
-from partita.capture.split import units
+from partita.capture.split import units, written_args
 from partita.graph import Block, ModelGraph
 from partita.graph.graph import Fit
 
@@ -106,6 +106,7 @@ class _Unit:
     activations: Fit
     params: set[str]
     signature: str
+    writes_buffers: bool
 
 
 def _units(cap: CapturedGraph) -> list[_Unit]:
@@ -120,6 +121,8 @@ def _units(cap: CapturedGraph) -> list[_Unit]:
             activations=_line(group, lambda n, b: _bytes(n.meta.get("val"), b)),
             params={cap.fqn_of[a.name] for n in group for a in n.all_input_nodes if a.name in cap.parameters},
             signature=text,
+            writes_buffers=any(a.name in cap.fqn_of and a.name not in cap.parameters
+                               for n in group for a in written_args(n)),
         ))
     return out
 
@@ -174,6 +177,7 @@ def model_graph(cap: CapturedGraph) -> ModelGraph:
             fwd_flops=_sum(u.flops for u in group), fwd_bytes=_sum(u.traffic for u in group),
             activation_bytes=_sum(u.activations for u in group),
             params=tuple(sorted(set().union(*(u.params for u in group)))),
+            writes_buffers=any(u.writes_buffers for u in group),
         ))
     unit_of = {n.name: i for i, u in enumerate(us) for n in u.nodes}
     per_unit = _boundaries(cap, unit_of, len(us))

@@ -122,25 +122,27 @@ def split(cap: CapturedGraph, stage_of_unit: list[int], num_stages: int) -> list
     # Tensor values each stage reads directly.
     needs: list[set[str]] = [set() for _ in range(num_stages)]
     free_needed: list[list[fx.Node]] = [[] for _ in range(num_stages)]
+    first_use: list[dict[str, int]] = [{} for _ in range(num_stages)]  # free node -> position of its first reader
 
-    def visit_free(s: int, node: fx.Node, seen: set[str]):
+    def visit_free(s: int, node: fx.Node, seen: set[str], position: int):
         if node.name in seen:
             return
         seen.add(node.name)
         free_needed[s].append(node)
+        first_use[s][node.name] = position
         for a in node.all_input_nodes:
             if kinds[a.name] == "free":
-                visit_free(s, a, seen)
+                visit_free(s, a, seen, position)
 
     for s in range(num_stages):
         seen: set[str] = set()
-        for node in local[s]:
+        for position, node in enumerate(local[s]):
             for a in node.all_input_nodes:
                 k = kinds[a.name]
                 if k == "input" or (k in ("op", "item") and stage_of[a.name] != s):
                     needs[s].add(a.name)
                 elif k == "free":
-                    visit_free(s, a, seen)
+                    visit_free(s, a, seen, position)
         if s == last:
             for o in out_nodes:
                 if kinds[o.name] == "input" or stage_of.get(o.name) != s:
@@ -149,10 +151,12 @@ def split(cap: CapturedGraph, stage_of_unit: list[int], num_stages: int) -> list
     # Shape arithmetic: read a size from a tensor the stage already has, else receive the tensor.
     substitute: dict[tuple[int, str], tuple[str, int]] = {}
     for s in range(num_stages):
-        available = needs[s] | {n.name for n in local[s]}
+        local_names = {n.name for n in local[s]}
         for f in free_needed[s]:
+            # a size can be read from what the stage received, or from what it computed before it needs it
+            available = needs[s] | {n.name for n in local[s][:first_use[s][f.name]]}
             for a in f.all_input_nodes:
-                if kinds[a.name] not in ("op", "item", "input") or a.name in available:
+                if kinds[a.name] not in ("op", "item", "input") or a.name in available or a.name in local_names:
                     continue
                 expr = _scalar_expr(f)
                 src = None
@@ -166,7 +170,6 @@ def split(cap: CapturedGraph, stage_of_unit: list[int], num_stages: int) -> list
                     substitute[(s, f.name)] = src
                 else:
                     needs[s].add(a.name)
-                    available.add(a.name)
 
     # Which stages each value crosses: from its producer to its last reader.
     producer: dict[str, int] = {}
@@ -233,7 +236,7 @@ def _build(cap, s, nodes, inputs, outputs, kinds, substitute, is_last) -> StageG
     for node in nodes:
         _clone_written_inputs(graph, node, env, placeholders)
         env[node.name] = graph.node_copy(node, get)
-        written += [a.name for a in _written_args(node) if a.name in cap.fqn_of and a.name not in cap.parameters]
+        written += [a.name for a in written_args(node) if a.name in cap.fqn_of and a.name not in cap.parameters]
     for value, buffer in cap.buffer_updates:
         if value in env and value not in placeholders:
             graph.call_function(torch.ops.aten.copy_.default, (get(cap.node(buffer)), env[value]))
@@ -265,7 +268,7 @@ _STATISTICS_WRITTEN = {
 }
 
 
-def _written_args(node: fx.Node) -> list[fx.Node]:
+def written_args(node: fx.Node) -> list[fx.Node]:
     """The inputs an op writes into (in-place ops, BatchNorm's running statistics)."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
@@ -279,7 +282,7 @@ def _written_args(node: fx.Node) -> list[fx.Node]:
 
 def _clone_written_inputs(graph: fx.Graph, node: fx.Node, env: dict, placeholders: set) -> None:
     """An op that writes into a received tensor works on a copy: received tensors are autograd leaves."""
-    for value in _written_args(node):
+    for value in written_args(node):
         if value.name in placeholders and env[value.name].op == "placeholder":
             clone = graph.call_function(torch.ops.aten.clone.default, (env[value.name],))
             clone.meta = dict(value.meta)

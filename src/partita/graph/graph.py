@@ -66,6 +66,7 @@ class Block:
     fwd_bytes: Fit  # bytes its forward ops read and write (memory traffic)
     activation_bytes: Fit  # bytes of the tensors its forward produces (an upper bound of what backward keeps)
     params: tuple[str, ...]  # FQNs of the parameters it reads (tied parameters under one name)
+    writes_buffers: bool = False  # updates buffers in place (BatchNorm statistics): never recomputed
 
 
 @dataclass(frozen=True)

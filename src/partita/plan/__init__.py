@@ -1,6 +1,6 @@
 """Deciding the layout: pure Python over numbers, no process group and no model needed."""
 
-from partita.plan.auto import auto_plan
-from partita.plan.plan import Plan, StagePlan
+from partita.plan.choose import choose_plan
+from partita.plan.plan import Estimate, Plan, StagePlan
 
-__all__ = ["Plan", "StagePlan", "auto_plan"]
+__all__ = ["Estimate", "Plan", "StagePlan", "choose_plan"]

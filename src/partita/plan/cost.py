@@ -19,9 +19,10 @@ from functools import lru_cache
 
 from partita.cluster import Cluster
 from partita.graph import ModelGraph, Profile
-from partita.plan.plan import LOOPED_SCHEDULES, V_SCHEDULES, rank_layout
+from partita.plan.plan import rank_layout
 from partita.schedule import orders
 from partita.schedule.inflight import microbatches_in_flight
+from partita.schedule.placement import stages_per_rank
 
 GRAD_BUCKET_BYTES = 32 * 2**20  # partita.runtime.grads.BUCKET_BYTES
 
@@ -44,10 +45,6 @@ class Layout:
     def describe(self) -> str:
         return (f"{self.num_stages} stage(s) x {self.num_replicas} replica(s), {self.schedule}, "
                 f"{self.num_microbatches} micro-batch(es) of {self.microbatch_rows} rows")
-
-
-def stages_per_rank(schedule: str) -> int:
-    return 2 if schedule in LOOPED_SCHEDULES + V_SCHEDULES else 1
 
 
 @dataclass(frozen=True)
@@ -92,7 +89,7 @@ class CostModel:
     """Costs of candidate stages for one layout; stage costs are cached by (stage, blocks)."""
 
     def __init__(self, graph: ModelGraph, profile: Profile, cluster: Cluster, optimizer_factor: float,
-                 layout: Layout, writes_buffers: tuple[bool, ...] = ()):
+                 layout: Layout):
         self.graph, self.profile, self.cluster, self.layout = graph, profile, cluster, layout
         self.optimizer_factor = optimizer_factor
         rows = layout.microbatch_rows
@@ -101,7 +98,7 @@ class CostModel:
         self._bwd = _prefix([profile.blocks[i].bwd_s.at(rows) for i in range(n)])
         self._act = _prefix([profile.blocks[i].activation_bytes.at(rows) for i in range(n)])
         self._boundary = [b.at(rows) for b in graph.boundary_bytes]
-        self._writes = writes_buffers or (False,) * n
+        self._writes = [b.writes_buffers for b in graph.blocks]
         self.ranks = rank_layout(layout.schedule, layout.num_stages, layout.num_replicas)  # [stage][replica]
         self.in_flight = microbatches_in_flight(
             orders(layout.schedule, layout.num_stages, layout.pipeline_size, layout.num_microbatches),

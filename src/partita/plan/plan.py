@@ -13,15 +13,13 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from partita.errors import PlanError
+from partita.errors import BatchError, PlanError
+from partita.schedule.generate import check_sizes
+from partita.schedule.placement import (LOOPED_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES,
+                                        stage_to_pipeline_rank, stages_per_rank)
 
 VERSION = 1
 
-# Schedules the runtime runs, by how they place stages on the ranks of one pipeline.
-SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-LOOPED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -33,12 +31,37 @@ class StagePlan:
     ranks: tuple[int, ...]  # one per replica
     num_params: int = 0
     param_bytes: int = 0
-    fwd_flops_per_sample: float = 0.0
+    recompute: bool = False  # run the forward again in the backward instead of keeping activations
+    fwd_s: float = 0.0  # estimated seconds per micro-batch
+    bwd_s: float = 0.0  # including the recomputed forward
+    send_s: float = 0.0  # its outputs to the next stage, per micro-batch
+    allreduce_s: float = 0.0  # its gradients over its replicas, per step
+    memory: dict = field(default_factory=dict)  # estimated bytes per rank by kind: params, grads, optimizer, ...
     memory_bytes: int = 0  # estimated peak per rank
 
     @property
     def num_blocks(self) -> int:
         return self.blocks[1] - self.blocks[0]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the planner predicts for one training step, and how sure its search is."""
+
+    step_s: float
+    pipeline_s: float  # until the pipeline drains; the rest is gradient all-reduce and optimizer step
+    bubble_fraction: float
+    samples_per_s: float
+    peak_memory_bytes: int
+    memory_per_rank_bytes: int
+    global_batch: int
+    cluster: str
+    profile: str  # where the block costs came from (measured, or a device preset)
+    proven_optimal: bool
+    lower_bound_s: float
+    layouts_searched: int = 0
+    layouts_considered: int = 0
+    search_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +75,7 @@ class Plan:
     local_batch: int = 0  # the local batch the plan was made for (0: any)
     device_memory_bytes: int = 0
     reasons: tuple[str, ...] = field(default=())  # why the planner chose this
+    estimate: Estimate | None = None
     version: int = VERSION
 
     @property
@@ -119,18 +143,6 @@ class Plan:
         self._validate_microbatches()
         return self
 
-    def _validate_microbatches(self) -> None:
-        """The schedules' own rules on the number of micro-batches (torch raises them later, less clearly)."""
-        m, stages, p = self.num_microbatches, self.num_stages, self.pipeline_size
-        if self.schedule in ("1F1B", "DualPipeV") and m < stages:
-            raise PlanError(f"{self.schedule} needs at least as many micro-batches as stages: {m} < {stages}. "
-                            f"Use micro_batches >= {stages}, or schedule='GPipe'.")
-        if self.schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and p > 1:
-            rounds = max(1, m // p)
-            if m % rounds:
-                raise PlanError(f"{self.schedule} needs the micro-batches ({m}) to be a multiple of the "
-                                f"pipeline ranks ({p}) or fewer than them; use micro_batches={p * rounds}.")
-
     def _validate_placement(self) -> None:
         per_rank = self.num_stages // self.pipeline_size if self.pipeline_size else 0
         if self.num_stages % self.pipeline_size:
@@ -152,6 +164,13 @@ class Plan:
                         f"the plan says {stage.ranks[j]}"
                     )
 
+    def _validate_microbatches(self) -> None:
+        """The schedules' own rules on stages and micro-batches (torch raises them later, less clearly)."""
+        try:
+            check_sizes(self.schedule, self.num_stages, self.pipeline_size, self.num_microbatches)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+
     # ---- JSON -------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return asdict(self)
@@ -166,7 +185,8 @@ class Plan:
                 StagePlan(**{**s, "blocks": tuple(s["blocks"]), "ranks": tuple(s["ranks"])})
                 for s in data["stages"]
             )
-            return cls(**{**data, "stages": stages, "reasons": tuple(data.get("reasons", ()))})
+            estimate = Estimate(**data["estimate"]) if data.get("estimate") else None
+            return cls(**{**data, "stages": stages, "reasons": tuple(data.get("reasons", ())), "estimate": estimate})
         except (KeyError, TypeError) as e:
             raise PlanError(f"not a partita plan ({e}); make one with partita.plan or Plan.save") from e
 
@@ -196,27 +216,28 @@ class Plan:
         return explain(self)
 
 
-def stage_to_pipeline_rank(schedule: str, stage: int, pipeline_size: int) -> int:
-    """Position, within one pipeline replica, of the rank that runs `stage` under `schedule`."""
-    if schedule in V_SCHEDULES:
-        return stage if stage < pipeline_size else 2 * pipeline_size - 1 - stage
-    return stage % pipeline_size
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_batch(rows_per_replica: int, num_microbatches: int, num_replicas: int, world_size: int) -> None:
+    """Every micro-batch of every replica must get the same whole number of rows."""
+    if rows_per_replica % num_microbatches:
+        local = rows_per_replica * num_replicas // world_size
+        depth = world_size // num_replicas
+        raise BatchError(
+            f"the global batch of {rows_per_replica * num_replicas} rows ({world_size} ranks x {local}) does "
+            f"not split into {num_microbatches} micro-batches x {num_replicas} replicas: each replica gets "
+            f"{rows_per_replica} rows. Use micro_batches from {_divisors(rows_per_replica)}, or a local batch "
+            f"that makes {depth} x local batch a multiple of {num_microbatches}."
+        )
 
 
 def rank_layout(schedule: str, num_stages: int, num_replicas: int) -> list[list[int]]:
     """Ranks of each stage when replica j uses the consecutive ranks j*P .. j*P+P-1."""
-    if schedule in V_SCHEDULES:
-        pipeline_size = num_stages // 2
-    elif schedule in LOOPED_SCHEDULES:
-        pipeline_size = _looped_pipeline_size(num_stages)
-    else:
-        pipeline_size = num_stages
+    per_rank = stages_per_rank(schedule)
+    if num_stages % per_rank:
+        raise PlanError(f"{schedule} puts {per_rank} stages on each rank; {num_stages} stages do not divide")
+    pipeline_size = num_stages // per_rank
     return [[j * pipeline_size + stage_to_pipeline_rank(schedule, s, pipeline_size) for j in range(num_replicas)]
             for s in range(num_stages)]
-
-
-def _looped_pipeline_size(num_stages: int) -> int:
-    # two stages per rank: the smallest loop that still interleaves
-    if num_stages % 2:
-        raise PlanError(f"interleaved schedules need an even number of stages, got {num_stages}")
-    return num_stages // 2

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from partita.cluster import Cluster
 from partita.errors import PlanError
 from partita.graph import ModelGraph, Profile
-from partita.plan.cost import CostModel, Layout, StageCost, stages_per_rank
+from partita.plan.cost import CostModel, Layout, StageCost
+from partita.schedule.placement import stages_per_rank
 from partita.plan.explain import size
 from partita.plan.partition import balance
 from partita.schedule import check_sizes, orders
@@ -105,12 +106,11 @@ def layouts(graph: ModelGraph, cluster: Cluster, global_batch: int, constraints:
 
 
 def search(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global_batch: int, optimizer_factor: float,
-           constraints: Constraints = Constraints(), writes_buffers: tuple[bool, ...] = (),
-           node_budget: int = NODE_BUDGET) -> SearchResult:
+           constraints: Constraints = Constraints(), node_budget: int = NODE_BUDGET) -> SearchResult:
     """The best plan of the search space (see the module docstring)."""
     candidates = layouts(graph, cluster, global_batch, constraints)
     result = SearchResult(None, True, len(candidates), 0, 0, 0, math.inf)
-    models = [CostModel(graph, profile, cluster, optimizer_factor, lay, writes_buffers) for lay in candidates]
+    models = [CostModel(graph, profile, cluster, optimizer_factor, lay) for lay in candidates]
     bounded = sorted(((_layout_bound(m), i) for i, m in enumerate(models)), key=lambda x: x[0])
     # a good plan early makes the exact search cut most branches: each layout's work-balanced boundaries
     best_s = math.inf
@@ -200,6 +200,10 @@ class _PartitionSearch:
         self.warmup = _warmups(self.orders, lay.num_stages)
         self.fwd_total = model.fwd_total()
         self.capacity = model.cluster.memory_per_rank - model.cluster.overhead_bytes
+        whole = model.stage(0, 0, model.num_blocks, False)
+        # recomputation only helps when memory is short: if two stages as big as the whole model fit on one
+        # rank, no stage ever needs it (so the search need not try it)
+        self.memory_is_short = whole is None or 2 * whole.memory.total > self.capacity
         self.best: Candidate | None = None
         self.nodes = self.simulations = 0
         self.complete = True
@@ -226,9 +230,11 @@ class _PartitionSearch:
     def run(self) -> Candidate | None:
         self._descend(0, 0, self._root())
         if self.best is None and not self.infeasible_reason:
+            cluster = self.model.cluster
             need = size(self.smallest_memory) if self.smallest_memory else "more than the model"
-            self.infeasible_reason = (f"no stage boundaries fit: the lightest stage needs {need} per rank, "
-                                      f"{size(self.model.cluster.memory_per_rank)} available")
+            self.infeasible_reason = (
+                f"no stage boundaries fit: the lightest stage needs {need} per rank besides the "
+                f"{size(cluster.overhead_bytes)} the process itself uses, {size(cluster.memory_per_rank)} available")
         return self.best
 
     def _tail(self, cost: StageCost) -> float:
@@ -256,7 +262,7 @@ class _PartitionSearch:
         """The ways to run a stage worth trying. With one stage per rank, the cheapest that fits is best;
         when stages share a rank, recomputing one may make room for the other, so both are tried."""
         model = self.model
-        if self.recompute is not None or stages_per_rank(model.layout.schedule) == 1:
+        if self.recompute is not None or stages_per_rank(model.layout.schedule) == 1 or not self.memory_is_short:
             cost = model.stage(stage, start, stop, self.recompute)
             if cost is None:
                 self._note_memory(start, stop)
@@ -372,22 +378,3 @@ def _warmups(rank_orders, num_stages: int) -> list[int]:
             elif stage not in started:
                 warm[stage] += 1
     return warm
-
-
-def check_feasible(result: SearchResult, cluster: Cluster) -> None:
-    """Raise PlanError naming memory needed vs available and the smallest change that would fit."""
-    if result.best is not None:
-        return
-    if not result.rejected:
-        raise PlanError("no layout of the search space matches the constraints (stages, replicas, micro-batches, "
-                        "schedule) and the batch; relax them")
-    raise PlanError(infeasible_message(result, cluster))
-
-
-def infeasible_message(result: SearchResult, cluster: Cluster) -> str:
-    lines = [f"no plan fits in {size(cluster.memory_per_rank)} per rank on {cluster.describe()}:"]
-    for layout, why in result.rejected[:6]:
-        lines.append(f"  {layout.describe()}: {why}")
-    lines.append("  what would fit: more devices (a deeper pipeline), a smaller micro-batch, recomputation "
-                 "(not fixed off), an optimizer with less state, or sharding (a later partita version).")
-    return "\n".join(lines)

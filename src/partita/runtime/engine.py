@@ -31,8 +31,7 @@ from partita.capture.export import CapturedGraph
 from partita.capture.shapes import shape_at
 from partita.capture.split import split
 from partita.errors import BatchError, CaptureError, PartitaError, PlanError
-from partita.plan.auto import check_batch
-from partita.plan.plan import Plan
+from partita.plan.plan import Plan, check_batch
 from partita.runtime.grads import GradSync
 from partita.runtime.pipeline import Pipeline
 from partita.runtime.route import Replica, TensorSpec
@@ -116,6 +115,11 @@ class Engine:
         self.anchor = anchor
         plan = place.plan
         self.graphs = split(cap, stage_of_unit, plan.num_stages)
+        for g in self.graphs:
+            if plan.stages[g.index].recompute and g.written_buffers:
+                raise PlanError(f"the plan recomputes stage {g.index}, which updates buffers {g.written_buffers[:3]} "
+                                "(BatchNorm statistics): a recomputation would update them twice. Set recompute "
+                                "to false for that stage.")
         self.stage0_inputs = [cap.user_inputs.index(n) for n in self.graphs[0].inputs]
         self.out_nodes = [o for o in cap.outputs if isinstance(o, fx.Node)]
         self._pipelines: OrderedDict = OrderedDict()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -24,6 +25,17 @@ from partita.capture.export import CapturedGraph
 from partita.capture.shapes import meta_like
 from partita.capture.split import StageGraph
 from partita.plan.plan import Plan
+
+
+class Recomputed(torch.nn.Module):
+    """A stage that keeps only its inputs from the forward and runs the forward again in the backward."""
+
+    def __init__(self, stage: torch.nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args):
+        return torch.utils.checkpoint.checkpoint(self.stage, *args, use_reentrant=False)
 
 
 def _wait(works: list) -> None:
@@ -48,8 +60,9 @@ class Pipeline:
         self.stages: list[PipelineStage] = []
         for index in plan.stages_of(rank):
             g = graphs[index]
+            module = Recomputed(g.module) if plan.stages[index].recompute else g.module
             stage = PipelineStage(
-                g.module, index, plan.num_stages, device,
+                module, index, plan.num_stages, device,
                 input_args=tuple(meta_like(cap.node(n).meta["val"], mb_rows, cap.requires_grad[n]) for n in g.inputs),
                 output_args=tuple(meta_like(cap.node(n).meta["val"], mb_rows, cap.requires_grad[n]) for n in g.outputs),
                 group=group,

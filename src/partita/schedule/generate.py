@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from partita.plan.plan import LOOPED_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES
+from partita.schedule.placement import LOOPED_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 from partita.schedule.action import FORWARD, FULL_BACKWARD, Action
 from partita.schedule.interleaved import interleaved_1f1b, interleaved_zero_bubble, microbatches_per_round
 from partita.schedule.v_shaped import dual_pipe_v, zbv_zero_bubble

@@ -1,0 +1,187 @@
+"""`choose_plan`: from a model's numbers, a device profile and a cluster to the Plan, with reasons."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from partita.cluster import Cluster
+from partita.errors import PlanError
+from partita.graph import ModelGraph, Profile
+from partita.plan.cost import CostModel, Layout
+from partita.plan.explain import size
+from partita.plan.plan import Estimate, Plan, StagePlan, check_batch
+from partita.plan.search import NODE_BUDGET, Candidate, Constraints, SearchResult, _PartitionSearch, layouts, search
+from partita.schedule.placement import SCHEDULES, stages_per_rank
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def choose_plan(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global_batch: int,
+                optimizer_factor: float, stages: int | None = None, replicas: int | None = None,
+                micro_batches: int | None = None, schedule: str | None = None, recompute: bool | None = None,
+                node_budget: int = NODE_BUDGET) -> Plan:
+    """The plan with the shortest simulated step that fits memory; every argument given is honoured.
+
+    `global_batch` is the rows of one optimizer step over all ranks (world size x local batch).
+    """
+    constraints = Constraints(stages, replicas, micro_batches, schedule, recompute)
+    _check_constraints(graph, cluster, global_batch, constraints)
+    started = time.perf_counter()
+    result = search(graph, profile, cluster, global_batch=global_batch, optimizer_factor=optimizer_factor,
+                    constraints=constraints, node_budget=node_budget)
+    seconds = time.perf_counter() - started
+    if result.best is None:
+        raise PlanError(_infeasible(graph, profile, cluster, global_batch, optimizer_factor, constraints, result))
+    model = CostModel(graph, profile, cluster, optimizer_factor, result.best.layout)
+    plan = to_plan(graph, model, result.best, result, global_batch, profile, seconds)
+    reasons = _reasons(graph, profile, cluster, global_batch, optimizer_factor, constraints, result, plan)
+    return replace(plan, reasons=reasons).validate(cluster.world_size)
+
+
+def to_plan(graph: ModelGraph, model: CostModel, best: Candidate, result: SearchResult, global_batch: int,
+            profile: Profile, search_s: float) -> Plan:
+    lay = best.layout
+    cluster = model.cluster
+    position = [model.ranks[s][0] % lay.pipeline_size for s in range(lay.num_stages)]
+    rank_total = [cluster.overhead_bytes] * lay.pipeline_size
+    for s, c in enumerate(best.stages):
+        rank_total[position[s]] += c.memory.total
+    stages = []
+    for s, c in enumerate(best.stages):
+        a, b = c.blocks
+        m = c.memory
+        stages.append(StagePlan(
+            index=s, blocks=(a, b), first_node=graph.blocks[a].first_node, last_node=graph.blocks[b - 1].last_node,
+            ranks=tuple(model.ranks[s]), num_params=len(graph.params_of(a, b)), param_bytes=c.param_bytes,
+            recompute=c.recompute, fwd_s=c.fwd_s, bwd_s=c.bwd_s, send_s=c.send_fwd_s, allreduce_s=c.allreduce_s,
+            memory={"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
+                    "buffers": m.buffers, "overhead": cluster.overhead_bytes},
+            memory_bytes=rank_total[position[s]],
+        ))
+    trace = best.trace
+    estimate = Estimate(
+        step_s=trace.step_s, pipeline_s=trace.makespan_s, bubble_fraction=trace.bubble_fraction,
+        samples_per_s=global_batch / trace.step_s if trace.step_s else 0.0, peak_memory_bytes=max(rank_total),
+        memory_per_rank_bytes=cluster.memory_per_rank, global_batch=global_batch, cluster=cluster.describe(),
+        profile=profile.source, proven_optimal=result.proven_optimal, lower_bound_s=result.lower_bound_s,
+        layouts_searched=result.layouts_searched, layouts_considered=result.layouts_considered, search_s=search_s,
+    )
+    return Plan(
+        world_size=cluster.world_size, num_microbatches=lay.num_microbatches, schedule=lay.schedule,
+        stages=tuple(stages), fingerprint=graph.fingerprint, num_blocks=graph.num_blocks,
+        local_batch=global_batch // cluster.world_size, device_memory_bytes=cluster.memory_per_rank,
+        estimate=estimate,
+    )
+
+
+def _check_constraints(graph: ModelGraph, cluster: Cluster, global_batch: int, c: Constraints) -> None:
+    """Clear errors for constraints that no layout can meet, before searching."""
+    world = cluster.world_size
+    if c.schedule is not None and c.schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {c.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    per_rank = stages_per_rank(c.schedule) if c.schedule else 1
+    if c.stages is not None:
+        if c.stages < 1 or c.stages % per_rank or world % (c.stages // per_rank):
+            raise PlanError(
+                f"{c.stages} stages do not fit {world} ranks: the world size must be a multiple of the ranks per "
+                f"pipeline ({c.stages} stages / {per_rank} per rank). Choose stages from "
+                f"{[d * per_rank for d in _divisors(world)]}.")
+        if c.stages > graph.num_blocks:
+            raise PlanError(f"{c.stages} stages need at least that many blocks; the model has {graph.num_blocks}. "
+                            f"Use at most {graph.num_blocks} stages.")
+        if c.replicas is not None and (c.stages // per_rank) * c.replicas != world:
+            raise PlanError(f"stages={c.stages} x replicas={c.replicas} needs {c.stages // per_rank * c.replicas} "
+                            f"ranks, this job has {world}")
+    if c.replicas is not None and (c.replicas < 1 or world % c.replicas):
+        raise PlanError(f"{c.replicas} replicas do not divide the world size {world}; choose from {_divisors(world)}")
+    if c.micro_batches is not None:
+        depth = (c.stages // per_rank) if c.stages else (world // c.replicas if c.replicas else None)
+        if depth is not None:
+            check_batch(global_batch // (world // depth), c.micro_batches, world // depth, world)
+    if not layouts(graph, cluster, global_batch, c):
+        raise PlanError(f"no layout meets stages={c.stages}, replicas={c.replicas}, micro_batches={c.micro_batches}, "
+                        f"schedule={c.schedule} with a global batch of {global_batch} on {world} ranks (for example "
+                        f"1F1B needs at least as many micro-batches as stages); relax one of them")
+
+
+def _data_parallel(graph, profile, cluster, global_batch, optimizer_factor) -> tuple[float | None, int]:
+    """Step time of data parallelism alone (None if it does not fit) and its memory per rank."""
+    layout = Layout("GPipe", 1, 1, cluster.world_size, 1, global_batch // cluster.world_size)
+    model = CostModel(graph, profile, cluster, optimizer_factor, layout)
+    found = _PartitionSearch(model, float("inf"), False, 0).balanced()
+    cost = model.stage(0, 0, graph.num_blocks, False)
+    needed = _unconstrained_memory(model)
+    return (found.step_s if found else None), (cost.memory.total + cluster.overhead_bytes if cost else needed)
+
+
+def _unconstrained_memory(model: CostModel) -> int:
+    """Memory of the whole model on one rank, even if it does not fit (for messages)."""
+    g, lay = model.graph, model.layout
+    params = g.param_bytes_of(0, g.num_blocks)
+    acts = sum(model.profile.blocks[i].activation_bytes.at(lay.microbatch_rows) for i in range(g.num_blocks))
+    return int(params * (3 + model.optimizer_factor) + acts + model.cluster.overhead_bytes)
+
+
+def _reasons(graph, profile, cluster, global_batch, optimizer_factor, constraints, result: SearchResult,
+             plan: Plan) -> tuple[str, ...]:
+    est = plan.estimate
+    out = []
+    fixed = {k: v for k, v in vars(constraints).items() if v is not None}
+    if fixed:
+        out.append("fixed by the caller: " + ", ".join(f"{k}={v}" for k, v in fixed.items()))
+    if result.proven_optimal:
+        out.append(f"fastest simulated step of {result.layouts_considered} layouts (stages x replicas x schedule x "
+                   f"micro-batches); {result.layouts_searched} needed a search of their stage boundaries, lower "
+                   "bounds ruled out the rest; proven optimal in this space")
+    else:
+        gap = (est.step_s - result.lower_bound_s) / est.step_s if est.step_s else 0.0
+        out.append(f"best of {result.layouts_considered} layouts; the search budget ran out, so it is within "
+                   f"{100 * gap:.0f}% of the lower bound {result.lower_bound_s:.4g} s")
+    if plan.num_stages == 1 and plan.num_microbatches == 1:
+        out.append("data parallel only: the whole model fits one device and nothing pipelined is faster")
+    elif "stages" not in fixed:
+        dp_step, dp_memory = _data_parallel(graph, profile, cluster, global_batch, optimizer_factor)
+        if dp_step is None:
+            out.append(f"data parallel alone does not fit: it needs {size(dp_memory)} per rank, "
+                       f"{size(cluster.memory_per_rank)} available")
+        else:
+            out.append(f"data parallel alone would take {dp_step:.4g} s per step "
+                       f"({100 * (dp_step / est.step_s - 1):+.0f}%)")
+    if any(s.recompute for s in plan.stages):
+        out.append(f"recomputation on stage(s) {[s.index for s in plan.stages if s.recompute]} to fit memory")
+    return tuple(out)
+
+
+def _infeasible(graph, profile, cluster, global_batch, optimizer_factor, constraints, result) -> str:
+    lines = [f"no plan fits in {size(cluster.memory_per_rank)} per rank on {cluster.describe()}:"]
+    if cluster.overhead_bytes >= cluster.memory_per_rank:
+        lines.append(f"  the process itself already uses {size(cluster.overhead_bytes)} (libraries, device context, "
+                     "and for now a copy of the whole model on every rank): more than is available")
+    for layout, why in result.rejected[:4]:
+        lines.append(f"  {layout.describe()}: {why}")
+    _, dp_memory = _data_parallel(graph, profile, cluster, global_batch, optimizer_factor)
+    lines.append(f"  the whole model on one rank needs {size(dp_memory)}")
+    changes = []
+    for factor in (2, 4, 8, 16):
+        bigger = replace(cluster, num_nodes=cluster.num_nodes * factor)
+        try:
+            found = search(graph, profile, bigger, global_batch=global_batch * factor,
+                           optimizer_factor=optimizer_factor, constraints=Constraints(recompute=constraints.recompute),
+                           node_budget=500)
+        except PlanError:
+            continue
+        if found.best is not None:
+            changes.append(f"{bigger.world_size} devices (same local batch) would fit as "
+                           f"{found.best.layout.describe()}")
+            break
+    if constraints.recompute is False:
+        changes.append("allow recomputation (recompute=None)")
+    if constraints.stages or constraints.replicas:
+        changes.append("let partita choose stages and replicas")
+    changes.append("a smaller local batch, an optimizer with less state (SGD keeps none), or sharding "
+                   "(a later partita version)")
+    lines.append("  smallest changes that would fit: " + "; ".join(changes))
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""Measuring on the real device: block costs and links, cached on disk.
+
+`measure(cap, graph, local_batch)` is collective (every rank calls it) and returns, on rank 0, the Profile
+and the Cluster the planner needs; other ranks get (None, None).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from partita.cluster import DEVICES, Cluster, DeviceSpec, Link
+from partita.graph import ModelGraph, Profile
+from partita.profile import cache
+from partita.profile.blocks import measure_blocks, profile_rows
+from partita.profile.comm import measure_allreduce, measure_p2p
+
+__all__ = ["device_spec", "measure"]
+
+
+def device_spec(device: torch.device) -> DeviceSpec:
+    """The preset closest to this device (its datasheet numbers and typical overheads)."""
+    if device.type != "cuda":
+        return DEVICES["cpu"]
+    name = torch.cuda.get_device_name(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    for family in ("H200", "H100", "A100", "V100"):
+        if family in name:
+            candidates = [d for k, d in DEVICES.items() if k.startswith(family)]
+            return min(candidates, key=lambda d: abs(d.memory_bytes - total))
+    return min((d for k, d in DEVICES.items() if k != "cpu"), key=lambda d: abs(d.memory_bytes - total))
+
+
+def _process_bytes(device: torch.device) -> int:
+    """What this process already uses: the measured fixed overhead (it includes the whole model, which every
+    rank keeps for now)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total - free)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _agreed(flag: bool) -> bool:
+    """Rank 0's flag on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    box = [flag]
+    dist.broadcast_object_list(box, src=0)
+    return bool(box[0])
+
+
+def measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, local_world_size: int,
+            memory_per_rank: int, show_progress: bool = True) -> tuple[Profile | None, Cluster | None]:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    spec = device_spec(device)
+    dtype = str(next((t.dtype for t in cap.tensor_of.values() if t.is_floating_point()), torch.float32))
+    blocks_key = cache.key([b.signature for b in graph.blocks], profile_rows(local_batch), spec.name,
+                           str(device.type), torch.__version__, dtype)
+    links_key = cache.key(dist.get_backend() if dist.is_initialized() else "none", world, local_world_size,
+                          spec.name, torch.__version__)
+    cached_profile = cache.load("profile", blocks_key) if rank == 0 else None
+    cached_links = cache.load("links", links_key) if rank == 0 else None
+
+    if _agreed(cached_profile is not None):
+        profile = Profile.from_json(cached_profile) if rank == 0 else None
+    else:
+        costs = measure_blocks(cap, graph, local_batch, device, show_progress)
+        profile = None
+        if rank == 0:
+            source = f"measured on {spec.name if device.type == 'cuda' else 'cpu'} ({device}), torch {torch.__version__}"
+            profile = Profile(source, tuple(costs[b.signature] for b in graph.blocks))
+            cache.store("profile", blocks_key, profile.to_json())
+
+    if _agreed(cached_links is not None):
+        links = json.loads(cached_links) if rank == 0 else None
+    else:
+        p2p, allreduce = measure_p2p(device), measure_allreduce(device)
+        links = {"p2p": p2p and [p2p.latency_s, p2p.bandwidth_bps],
+                 "allreduce": allreduce and [allreduce.latency_s, allreduce.bandwidth_bps]}
+        if rank == 0:
+            cache.store("links", links_key, json.dumps(links))
+    overhead = _process_bytes(device)
+    if rank != 0:
+        return None, None
+    per_node = max(1, min(local_world_size, world))
+    cluster = Cluster(
+        device=spec, num_nodes=max(1, world // per_node), devices_per_node=per_node,
+        p2p=Link(*links["p2p"]) if links["p2p"] else None,
+        allreduce=Link(*links["allreduce"]) if links["allreduce"] else None, allreduce_ranks=world,
+        memory_bytes=memory_per_rank, fixed_overhead_bytes=overhead,
+    )
+    return profile, cluster

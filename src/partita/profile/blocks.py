@@ -1,0 +1,156 @@
+"""Measure each block of a captured graph on this rank's device: forward and backward seconds, and the bytes
+autograd keeps for the backward, at two micro-batch sizes, so that each is a line in the rows.
+
+Blocks with the same signature (the layers of a transformer) are measured once. Ranks measure disjoint
+blocks at the same time and rank 0 collects the results. Measuring never changes the model: gradients are
+taken with `torch.autograd.grad` (nothing accumulates into `.grad`), buffers a block writes (BatchNorm
+statistics) are restored, and the random number generators are forked.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from partita.capture.export import CapturedGraph
+from partita.capture.shapes import shape_at
+from partita.capture.split import split
+from partita.graph import Block, BlockCost, Fit, ModelGraph
+
+REPEATS = 5  # timed runs per measurement; the median is kept
+
+
+def profile_rows(local_batch: int) -> tuple[int, int]:
+    """The two micro-batch sizes to measure at (two rows at least: BatchNorm needs more than one)."""
+    return 2, max(8, local_batch)
+
+
+def _block_module(cap: CapturedGraph, graph: ModelGraph, block: Block):
+    """The block alone as a module, cut out with the splitter, with the names of the values it reads."""
+    a, b = block.units
+    n = graph.num_units
+    before, inside = int(a > 0), 1
+    stage_of_unit = [0] * a + [before] * (b - a) + [before + inside] * (n - b)
+    num_stages = before + inside + int(b < n)
+    return split(cap, stage_of_unit, num_stages)[before]
+
+
+def _inputs(cap: CapturedGraph, names: list[str], rows: int, device: torch.device) -> list[torch.Tensor]:
+    """Stand-in tensors of the right shapes: random floats, zeros for integers (valid indices), ones for masks."""
+    out = []
+    for name in names:
+        val = cap.node(name).meta["val"]
+        shape = shape_at(val, rows)
+        if val.is_floating_point():
+            t = torch.randn(shape, dtype=val.dtype, device=device).requires_grad_(cap.requires_grad.get(name, False))
+        elif val.dtype == torch.bool:
+            t = torch.ones(shape, dtype=torch.bool, device=device)
+        else:
+            t = torch.zeros(shape, dtype=val.dtype, device=device)
+        out.append(t)
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(REPEATS):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_block(cap: CapturedGraph, graph: ModelGraph, block: Block, rows: int,
+                  device: torch.device) -> tuple[float, float, float]:
+    """(forward seconds, backward seconds, bytes kept for the backward) of one block at `rows` rows."""
+    stage = _block_module(cap, graph, block)
+    module = stage.module
+    inputs = _inputs(cap, stage.inputs, rows, device)
+    params = [p for p in module.parameters() if p.requires_grad]
+    kept = {t.untyped_storage().data_ptr() for t in list(module.parameters()) + list(module.buffers())}
+    written = [getattr(module, name) for name in stage.written_buffers]
+    saved_before = [b.detach().clone() for b in written]
+
+    def forward():
+        return [o for o in module(*inputs) if isinstance(o, torch.Tensor)]
+
+    def forward_backward():
+        outs = [o for o in forward() if o.requires_grad]
+        wrt = [t for t in inputs if t.requires_grad] + params
+        if outs and wrt:
+            torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
+
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in kept:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad():
+        fwd = _median_seconds(forward, device)
+        both = _median_seconds(forward_backward, device)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward()
+    with torch.no_grad():
+        for buf, value in zip(written, saved_before):
+            buf.copy_(value)
+    return fwd, max(both - fwd, 0.0), float(sum(saved.values()))
+
+
+def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, device: torch.device,
+                   show_progress: bool = True) -> dict[str, BlockCost]:
+    """Costs by block signature. Every rank measures its share of the distinct blocks; rank 0 gets them all
+    (other ranks get an empty dict)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    first_of: dict[str, Block] = {}
+    for b in graph.blocks:
+        first_of.setdefault(b.signature, b)
+    signatures = sorted(first_of)
+    mine = signatures[rank::world]
+    r1, r2 = profile_rows(local_batch)
+    results = {}
+    for i, sig in enumerate(mine):
+        f1, b1, a1 = measure_block(cap, graph, first_of[sig], r1, device)
+        f2, b2, a2 = measure_block(cap, graph, first_of[sig], r2, device)
+        results[sig] = (Fit.through(r1, f1, r2, f2), Fit.through(r1, b1, r2, b2), Fit.through(r1, a1, r2, a2))
+        if show_progress and rank == 0:
+            _progress(i + 1, len(mine), len(signatures), world, graph.num_blocks)
+    every: list = [None] * world
+    if world > 1:
+        dist.all_gather_object(every, results)
+    else:
+        every = [results]
+    if rank != 0:
+        return {}
+    merged = {}
+    for part in every:
+        merged.update(part)
+    return {sig: BlockCost(fwd, bwd, act) for sig, (fwd, bwd, act) in merged.items()}
+
+
+def _progress(done: int, share: int, distinct: int, world: int, blocks: int) -> None:
+    """A progress bar on a terminal; one line at the end in a log file (launchers show logs line by line)."""
+    interactive = sys.stderr.isatty()
+    if not interactive and done < share:
+        return
+    width = 24
+    bar = "#" * (width * done // share) + "." * (width - width * done // share)
+    end = "\n" if done == share else ""
+    sys.stderr.write(f"{chr(13) if interactive else ''}partita: profiling {distinct} distinct of {blocks} blocks "
+                     f"on {world} rank(s) [{bar}] {done}/{share} on rank 0{end}")
+    sys.stderr.flush()
