@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from partita.cli import run
+from partita.cli import ray, run, slurm
+from partita.errors import PartitaError
 
-COMMANDS = [run]
+COMMANDS = [run, slurm, ray]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     for command in COMMANDS:
         command.add_parser(sub)
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except PartitaError as e:  # a problem the user can fix: the message, not a traceback
+        print(f"partita {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

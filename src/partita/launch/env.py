@@ -1,7 +1,8 @@
 """Join the job's process group from whatever launched this process.
 
-`init()` reads the launcher's environment (torchrun / torch.distributed.launch today), picks the backend
-(gloo on CPU, nccl on CUDA with the device from LOCAL_RANK) and creates the default process group with a
+`init()` finds the launcher from its environment variables (Ray Train, torchrun / `partita run` /
+torch.distributed.launch, Open MPI's mpirun, Slurm's srun; one module each beside this one), picks the backend
+(gloo on CPU, nccl on CUDA with the device from the local rank) and creates the default process group with a
 bounded timeout, so that a dead peer ends the job instead of hanging it.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,10 +19,16 @@ import torch
 import torch.distributed as dist
 
 from partita.errors import LaunchError
+from partita.launch import mpi, ray_worker, rendezvous, slurm, torchrun
+from partita.launch.placement import Join, Placement
 
-log = logging.getLogger("partita")
+log = logging.getLogger("partita.launch")
 
 DEFAULT_TIMEOUT_S = 300.0
+
+# First match wins. Ray Train sets torchrun's variables in its workers, and torchrun or mpirun may run inside
+# a Slurm allocation, whose variables their ranks inherit: the innermost launcher comes first.
+LAUNCHERS = (ray_worker, torchrun, mpi, slurm)
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,7 @@ class World:
     local_world_size: int
     launcher: str
     device: torch.device
+    num_nodes: int = 1
 
 
 _world: World | None = None
@@ -43,15 +52,17 @@ def timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("PARTITA_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
 
 
-def _detect() -> tuple[int, int, int, int, str]:
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank = int(env.get("LOCAL_RANK", rank))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-        return rank, world, local_rank, local_world, launcher
-    return 0, 1, 0, 1, "single"
+def detect(environ: dict) -> Placement:
+    """This process's place as its launcher describes it; a single process when no launcher did.
+
+    >>> detect({}).launcher
+    'single'
+    """
+    for launcher in LAUNCHERS:
+        placement = launcher.detect(environ)
+        if placement is not None:
+            return placement
+    return Placement("single", 0, 1)
 
 
 def _set_cpu_threads(local_world_size: int) -> None:
@@ -59,6 +70,40 @@ def _set_cpu_threads(local_world_size: int) -> None:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // max(1, local_world_size)))
+
+
+def _join(me: Placement, backend: str, device: torch.device) -> None:
+    """Create the default process group the way `me.join` says."""
+    if me.join is Join.ALONE:
+        # a one-rank group, so that pipelines and collectives need no special case for one process
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout())
+        return
+    if me.join is Join.ADOPT:
+        raise LaunchError(f"{me.launcher} should have created the process group before the training function "
+                          "started, but there is none; call partita.init() inside the function that it runs.")
+    store = None
+    if me.join is Join.STORE:
+        store = dist.PrefixStore("partita/group", rendezvous.join(me, timeout()))
+    try:
+        dist.init_process_group(backend, store=store, rank=me.rank, world_size=me.world_size, timeout=timeout(),
+                                device_id=device if backend == "nccl" else None)
+    except Exception as e:  # noqa: BLE001 - re-raised with the cause attached
+        raise LaunchError(
+            f"rank {me.rank} of {me.world_size} could not join the process group of its {me.launcher} job ({e}). "
+            "Check that every rank was started with the same world size and can reach the others."
+        ) from e
+
+
+def _announce(me: Placement, backend: str) -> None:
+    """One line on rank 0: what launched the job and its layout."""
+    if not log.hasHandlers():  # nobody configured logging: without a handler an INFO line would be dropped
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    where = f" ({me.detail})" if me.detail else ""
+    meet = f", rendezvous {me.address}" if me.address else ""
+    log.info("partita: launched by %s%s: %s, backend %s%s", me.launcher, where, me.layout(), backend, meet)
 
 
 def init() -> World:
@@ -72,38 +117,23 @@ def init() -> World:
     global _world
     if _world is not None and dist.is_initialized():
         return _world
-    rank, world_size, local_rank, local_world, launcher = _detect()
+    me = detect(os.environ)
+    if dist.is_initialized() and (me.world_size, me.rank) != (dist.get_world_size(), dist.get_rank()):
+        # the script created the group itself: its ranks are the truth
+        me = Placement("existing group", dist.get_rank(), dist.get_world_size(), 0, 1, join=Join.ADOPT)
     if torch.cuda.is_available():
-        backend, device = "nccl", torch.device("cuda", local_rank)
+        backend, device = "nccl", torch.device("cuda", me.local_rank)
         torch.cuda.set_device(device)
     else:
         backend, device = "gloo", torch.device("cpu")
-        _set_cpu_threads(local_world)
-    if world_size == 1 and not dist.is_initialized():
-        # a one-rank group, so that pipelines and collectives need no special case for one process
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout())
-    if world_size > 1 and not dist.is_initialized():
-        for var in ("MASTER_ADDR", "MASTER_PORT"):
-            if var not in os.environ and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:
-                raise LaunchError(
-                    f"{var} is not set, but RANK/WORLD_SIZE say this is rank {rank} of {world_size}. "
-                    "Launch with `partita run -n N script.py` or `torchrun --nproc-per-node N script.py`, "
-                    "which set it for you."
-                )
-        try:
-            dist.init_process_group(
-                backend, rank=rank, world_size=world_size, timeout=timeout(),
-                device_id=device if backend == "nccl" else None,
-            )
-        except Exception as e:  # noqa: BLE001 - re-raised with the cause attached
-            raise LaunchError(
-                f"rank {rank} of {world_size} could not join the process group at "
-                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} ({e}). "
-                "Check that every rank was started with the same WORLD_SIZE and MASTER_ADDR/PORT."
-            ) from e
-    _world = World(rank, world_size, local_rank, local_world, launcher, device)
-    if rank == 0 and world_size > 1:
-        log.info("partita: %s launch, %d ranks, backend %s", launcher, world_size, backend)
+        _set_cpu_threads(me.local_world_size)
+    if not dist.is_initialized():
+        if me.join is Join.STORE and me.address is None:
+            me = mpi.agree_address(me, os.environ)  # only mpirun leaves the address to be agreed
+        _join(me, backend, device)
+    _world = World(me.rank, me.world_size, me.local_rank, me.local_world_size, me.launcher, device, me.num_nodes)
+    if me.rank == 0 and me.world_size > 1:
+        _announce(me, backend)
     return _world
 
 

@@ -1,0 +1,36 @@
+"""What every launcher test shares: the training script, its environment, and the check of its losses."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.reference import reference_losses
+
+HERE = Path(__file__).resolve().parent
+BIN = Path(sys.executable).parent
+PYTHON = sys.executable
+SCRIPT = str(HERE / "train_script.py")
+STEPS = 3
+
+
+def env(**extra) -> dict:
+    """The test's environment for a launched job: short timeouts, one thread per rank, partita importable."""
+    e = dict(os.environ, OMP_NUM_THREADS="1", PARTITA_TIMEOUT_S="60", RAY_AUTH_MODE="disabled")
+    e.update(extra)
+    e["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1] / "src"), e.get("PYTHONPATH", "")])
+    return e
+
+
+def check(out: Path, world: int) -> None:
+    """The job trained 2 stages x 2 replicas and its losses are one process's on the same global batches."""
+    result = json.loads(out.read_text())
+    assert result["world"] == world and len(result["plan"]["stages"]) == 2
+    assert result["losses"] == pytest.approx(reference_losses(world, STEPS), rel=1e-5)
+
+
+def output(proc) -> str:
+    """A finished process's output, for assertion messages."""
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"

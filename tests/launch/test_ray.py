@@ -1,0 +1,43 @@
+"""Ray: `partita ray` trains like one process on a running cluster; a missing Ray or a silent address is an error."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch.daemons import free_port
+from launch.harness import BIN, PYTHON, SCRIPT, check, env, output
+
+
+@pytest.mark.slow
+def test_partita_ray(ray_head, tmp_path):
+    out = tmp_path / "out.json"
+    proc = subprocess.run([str(BIN / "partita"), "ray", "--address", ray_head.address, "--workers", "4",
+                           "--storage-path", str(tmp_path / "ray-results"), SCRIPT, str(out)],
+                          capture_output=True, text=True, env=env(), timeout=240)
+    assert proc.returncode == 0, output(proc)
+    assert "launched by ray (Ray Train run partita-" in proc.stdout + proc.stderr
+    check(out, 4)
+
+
+@pytest.mark.slow
+def test_an_address_that_does_not_answer_is_an_error_not_a_wait():
+    pytest.importorskip("ray", reason="pip install 'ray[default,train]'")
+    import partita.ray
+    from partita.errors import LaunchError
+
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=f"no Ray cluster answers at {address}"):
+        partita.ray.run(print, workers=2, address=address, connect_timeout_s=3)
+    assert time.monotonic() - started < 10
+
+
+def test_partita_ray_without_ray_says_what_to_install(tmp_path):
+    without_ray = ("import sys; sys.modules['ray'] = None; from partita.cli.main import main; "
+                   "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([PYTHON, "-c", without_ray, "ray", "--workers", "2", SCRIPT, str(tmp_path / "out.json")],
+                          capture_output=True, text=True, env=env(), timeout=60)
+    assert proc.returncode == 2, output(proc)
+    assert "Ray is not installed in this Python: `pip install 'ray[default,train]'`" in proc.stderr
