@@ -110,7 +110,8 @@ class SlurmCluster:
                 return
             time.sleep(0.5)
         log = (self.root / "log" / "slurmctld.log").read_text()[-2000:]
-        raise RuntimeError(f"the test Slurm node is not idle after {timeout_s} s (state {state!r}); slurmctld log:\n{log}")
+        raise RuntimeError(f"the test Slurm node is not idle after {timeout_s} s (state {state!r}); "
+                           f"slurmctld log:\n{log}")
 
     def stop(self) -> None:
         """Shut the daemons down; kill, by pid, whichever of them is still running after a grace time."""

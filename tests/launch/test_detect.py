@@ -86,8 +86,8 @@ def test_tasks_per_node():
 
 def test_partita_slurm_dry_run_prints_a_valid_script():
     for launcher in ("srun", "torchrun"):
-        proc = subprocess.run([str(BIN / "partita"), "slurm", "--nodes", "2", "--ranks-per-node", "4", "--gpus-per-node",
-                               "4", "--launcher", launcher, "--dry-run", SCRIPT, "--steps", "10"],
+        proc = subprocess.run([str(BIN / "partita"), "slurm", "--nodes", "2", "--ranks-per-node", "4",
+                               "--gpus-per-node", "4", "--launcher", launcher, "--dry-run", SCRIPT, "--steps", "10"],
                               capture_output=True, text=True, env=env(), timeout=60)
         assert proc.returncode == 0, output(proc)
         assert "#SBATCH --nodes=2" in proc.stdout and "#SBATCH --gpus-per-node=4" in proc.stdout

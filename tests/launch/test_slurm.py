@@ -2,6 +2,7 @@
 
 import re
 import subprocess
+import time
 
 import pytest
 
@@ -22,13 +23,30 @@ def test_srun(slurm, tmp_path):
 @pytest.mark.parametrize("launcher", ["srun", "torchrun"])
 def test_partita_slurm(slurm, tmp_path, launcher):
     out = tmp_path / "out.json"
-    proc = subprocess.run([str(BIN / "partita"), "slurm", "--nodes", "1", "--ranks-per-node", "4", "--time", "5",
-                           "--launcher", launcher, "--wait", SCRIPT, str(out)],
-                          capture_output=True, text=True, env=env(**slurm.env), cwd=tmp_path, timeout=240)
-    job_output = next(tmp_path.glob("partita-logs/partita-*.out"), None)
-    assert proc.returncode == 0, output(proc) + (job_output.read_text() if job_output else "")
-    assert re.search(r"submitted job \d+", proc.stdout)
+    proc = subprocess.Popen([str(BIN / "partita"), "slurm", "--nodes", "1", "--ranks-per-node", "4", "--time", "5",
+                             "--launcher", launcher, "--wait", SCRIPT, str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(**slurm.env),
+                            cwd=tmp_path)
+    first = proc.stdout.readline()
+    job_id = re.search(r"submitted job (\d+)", first).group(1)
+    # what Slurm does before the time limit (--signal=B:USR1): the script notes it and training goes on
+    wait_until_running(slurm, job_id)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, env=env(**slurm.env))
+    stdout, stderr = proc.communicate(timeout=240)
+    job_output = (tmp_path / "partita-logs" / f"partita-{job_id}.out").read_text()
+    assert proc.returncode == 0, output(subprocess.CompletedProcess(proc.args, proc.returncode, first + stdout,
+                                                                    stderr)) + job_output
+    assert (tmp_path / "partita-logs" / f"partita-{job_id}.stop").exists()
+    assert "partita: the time limit is near" in job_output
     check(out, 4)
+
+
+def wait_until_running(slurm, job_id: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while "JobState=RUNNING" not in subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
+                                                   env=env(**slurm.env)).stdout:
+        assert time.monotonic() < deadline, f"job {job_id} did not start within {timeout_s} s"
+        time.sleep(0.2)
 
 
 def test_partita_slurm_refuses_more_nodes_than_the_cluster_has(slurm, tmp_path):

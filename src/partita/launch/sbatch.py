@@ -16,6 +16,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import textwrap
 import time
 from dataclasses import dataclass
 
@@ -70,25 +71,30 @@ def _directives(job: SlurmJob) -> list[str]:
     return [f"#SBATCH {line}" for line in lines]
 
 
+def _comment(text: str) -> list[str]:
+    """A paragraph as shell comment lines of at most 110 characters."""
+    return textwrap.wrap(text, 110, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False)
+
+
 def _launch(job: SlurmJob) -> list[str]:
     """The lines that start the ranks, with why."""
     command = shlex.join([job.script, *job.args])
+    python = shlex.quote(job.python)
     if job.launcher == "srun":
         return [
-            f"# srun starts all {job.nodes * job.ranks_per_node} ranks. partita.init() in each reads its place from srun "
-            "(SLURM_PROCID,",
-            "# SLURM_NTASKS, SLURM_LOCALID) and meets the others on the step's first node, at a port derived from",
-            "# the job id (export MASTER_ADDR and MASTER_PORT to choose). --kill-on-bad-exit: a failed rank ends the",
-            "# job; no rank waits for it.",
-            f"launch=(srun --kill-on-bad-exit=1 {shlex.quote(job.python)} -u {command})",
+            *_comment(f"srun starts all {job.nodes * job.ranks_per_node} ranks. partita.init() in each reads its "
+                      "place from srun (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) and meets the others on the step's "
+                      "first node, at a port derived from the job id (export MASTER_ADDR and MASTER_PORT to choose "
+                      "them). --kill-on-bad-exit: a failed rank ends the job; no rank waits for it."),
+            f"launch=(srun --kill-on-bad-exit=1 {python} -u {command})",
         ]
     return [
-        f"# srun starts one torch elastic agent per node (`partita run`), each starting {job.ranks_per_node} ranks;",
-        "# the agents meet at the first node of the allocation (c10d rendezvous).",
+        *_comment(f"srun starts one torch elastic agent per node (`partita run`), each starting {job.ranks_per_node} "
+                  "ranks; the agents meet at the first node of the allocation (c10d rendezvous)."),
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "rendezvous_port=$((20000 + SLURM_JOB_ID % 10000))",
-        f"launch=(srun --kill-on-bad-exit=1 {shlex.quote(job.python)} -m partita.cli.main run "
-        f"-n {job.ranks_per_node} --nnodes {job.nodes}",
+        f"launch=(srun --kill-on-bad-exit=1 {python} -m partita.cli.main run -n {job.ranks_per_node} "
+        f"--nnodes {job.nodes}",
         '        --rdzv-endpoint "$head_node:$rendezvous_port" --rdzv-id "$SLURM_JOB_ID"',
         f"        --log-dir {shlex.quote(job.log_dir)} {command})",
     ]
@@ -97,26 +103,26 @@ def _launch(job: SlurmJob) -> list[str]:
 def render(job: SlurmJob, command_line: str) -> str:
     """The batch script: readable, commented, ready for `sbatch`."""
     gpus = f", {job.gpus_per_node} GPU(s) per node" if job.gpus_per_node else ""
-    stop_file = f"{job.log_dir}/{job.job_name}-$SLURM_JOB_ID.stop"
+    warn = job.warn_before_end_s
     lines = [
         "#!/bin/bash",
         "# Written by `partita slurm` for:",
         f"#   {command_line}",
-        f"# {job.nodes} node(s) x {job.ranks_per_node} rank(s) per node = {job.nodes * job.ranks_per_node} ranks{gpus}, "
-        f"started by {job.launcher}.",
+        *_comment(f"{job.nodes} node(s) x {job.ranks_per_node} rank(s) per node = {job.nodes * job.ranks_per_node} "
+                  f"ranks{gpus}, started by {job.launcher}."),
         *_directives(job),
-        f"# Slurm sends SIGUSR1 to this script {job.warn_before_end_s} s before the time limit. B: means this shell only: a",
-        "# rank without a handler would die of it. The trap below records it in PARTITA_STOP_FILE, which training",
-        "# can check to save a checkpoint in time.",
-        f"#SBATCH --signal=B:USR1@{job.warn_before_end_s}",
+        *_comment(f"Slurm sends SIGUSR1 to this script {warn} s before the time limit. B: means this shell only: a "
+                  "rank without a handler would die of it. The trap below records it in PARTITA_STOP_FILE, which "
+                  "training can check to save a checkpoint in time."),
+        f"#SBATCH --signal=B:USR1@{warn}",
         "",
-        f'export PARTITA_STOP_FILE="{stop_file}"',
+        f'export PARTITA_STOP_FILE="{job.log_dir}/{job.job_name}-$SLURM_JOB_ID.stop"',
         "trap 'echo \"partita: the time limit is near: wrote $PARTITA_STOP_FILE\"; touch \"$PARTITA_STOP_FILE\"' USR1",
         "",
         *_launch(job),
         "",
-        "# srun runs in the background because bash runs a trap only between commands; a trap also ends `wait`",
-        "# early, so wait again until srun has ended. The job's exit status is srun's.",
+        *_comment("srun runs in the background because bash runs a trap only between commands; a trap also ends "
+                  "`wait` early, so wait again until srun has ended. The job's exit status is srun's."),
         '"${launch[@]}" &',
         "srun_pid=$!",
         "while true; do",
