@@ -24,14 +24,14 @@ def alive(pid: int) -> bool:
 
 
 def in_session(sid: int) -> list[int]:
-    """The processes of session `sid`: what a process started with start_new_session=True left running."""
+    """The running processes of session `sid`: what a process started with start_new_session=True left running."""
     members = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if int(fields[3]) == sid:  # after the state: ppid, pgrp, session
+        if int(fields[3]) == sid and fields[0] != "Z":  # state, ppid, pgrp, session
             members.append(int(stat.parent.name))
     return members
 

@@ -48,7 +48,8 @@ class RayHead:
 
     def stop(self) -> None:
         if self.process is not None:
-            end(in_session(self.process.pid), grace_s=0, sig=signal.SIGKILL)
+            for _ in range(10):  # a few rounds: the raylet may start a worker while the first round is killed
+                end(in_session(self.process.pid), grace_s=0, sig=signal.SIGKILL)
             self.process.wait(timeout=10)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 

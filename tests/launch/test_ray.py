@@ -1,13 +1,15 @@
 """Ray: `partita ray` trains like one process on a running cluster; a missing Ray or a silent address is an error."""
 
+import json
 import subprocess
-import sys
 import time
 
 import pytest
+import torch
 
+from launch import ray_2d
 from launch.daemons import free_port
-from launch.harness import BIN, PYTHON, SCRIPT, check, env, output
+from launch.harness import BIN, HERE, PYTHON, SCRIPT, check, env, output
 
 
 @pytest.mark.slow
@@ -19,6 +21,36 @@ def test_partita_ray(ray_head, tmp_path):
     assert proc.returncode == 0, output(proc)
     assert "launched by ray (Ray Train run partita-" in proc.stdout + proc.stderr
     check(out, 4)
+
+
+@pytest.mark.slow
+def test_the_2d_example_of_ray_users_is_a_plain_model_and_partita_ray_run(ray_head, tmp_path):
+    out = tmp_path / "out.json"
+    proc = subprocess.run([PYTHON, str(HERE / "ray_2d.py"), ray_head.address, str(out)], capture_output=True,
+                          text=True, env=env(), cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, output(proc)
+    result = json.loads(out.read_text())
+    assert [s["ranks"] for s in result["plan"]["stages"]] == [[0, 2], [1, 3]]  # 2 stages x 2 replicas
+    model = ray_2d.make_model()  # one process on the 4 workers' batches, concatenated in rank order
+    x, y = (torch.cat(parts) for parts in zip(*(ray_2d.batch(rank) for rank in range(4))))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    expected = []
+    for _ in result["losses"]:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    assert result["losses"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_cluster_too_small_for_the_workers_is_an_error_not_a_wait(ray_head, tmp_path):
+    proc = subprocess.run([str(BIN / "partita"), "ray", "--address", ray_head.address, "--workers", "8",
+                           "--cpus-per-worker", "1", SCRIPT, str(tmp_path / "out.json")],
+                          capture_output=True, text=True, env=env(), timeout=120)
+    assert proc.returncode == 2, output(proc)
+    assert "the Ray cluster is too small for 8 workers (CPU: 8 needed, 2 in the cluster)" in proc.stderr
 
 
 @pytest.mark.slow
