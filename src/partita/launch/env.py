@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,7 +21,7 @@ from partita.errors import LaunchError
 from partita.launch import mpi, ray_worker, rendezvous, slurm, torchrun
 from partita.launch.placement import Join, Placement
 
-log = logging.getLogger("partita.launch")
+log = logging.getLogger("partita")
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -94,16 +93,24 @@ def _join(me: Placement, backend: str, device: torch.device) -> None:
         ) from e
 
 
+def log_to_stderr() -> None:
+    """partita's INFO lines go to stderr as `partita: ...`, unless the application configured logging for the
+    "partita" logger or PARTITA_LOG=off. Python drops INFO lines of a logger without a handler."""
+    if log.handlers or os.environ.get("PARTITA_LOG", "").lower() == "off":
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("partita: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def _announce(me: Placement, backend: str) -> None:
     """One line on rank 0: what launched the job and its layout."""
-    if not log.hasHandlers():  # nobody configured logging: without a handler an INFO line would be dropped
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
+    log_to_stderr()
     where = f" ({me.detail})" if me.detail else ""
     meet = f", rendezvous {me.address}" if me.address else ""
-    log.info("partita: launched by %s%s: %s, backend %s%s", me.launcher, where, me.layout(), backend, meet)
+    log.info("launched by %s%s: %s, backend %s%s", me.launcher, where, me.layout(), backend, meet)
 
 
 def init() -> World:
