@@ -8,7 +8,7 @@ import pytest
 from partita.cluster import Cluster, DeviceSpec, Link
 from partita.graph import Block, BlockCost, Fit, ModelGraph, Profile
 from partita.plan.cost import CostModel
-from partita.plan.search import Constraints, _PartitionSearch, layouts, search
+from partita.plan.search import Constraints, evaluate, layouts, search
 
 
 def instance(rng: random.Random):
@@ -41,18 +41,9 @@ def brute_force(graph, profile, cluster, batch, optimizer_factor):
         for cuts in itertools.combinations(range(1, n), s - 1):
             ranges = list(zip((0,) + cuts, cuts + (n,)))
             for recompute in itertools.product([False, True], repeat=s):
-                search = _PartitionSearch(model, float("inf"), None, 0)
-                path = search._root()
-                for stage, ((a, b), rc) in enumerate(zip(ranges, recompute)):
-                    cost = model.stage(stage, a, b, rc)
-                    pos = search.position[stage]
-                    if cost is None or path.rank_memory[pos] + cost.memory.total > search.capacity:
-                        break
-                    path = path.extend(cost, pos, layout.num_microbatches, search._tail(cost))
-                else:
-                    search._evaluate(path)
-                    if search.best is not None and (best is None or search.best.step_s < best):
-                        best = search.best.step_s
+                found = evaluate(model, ranges, list(recompute))
+                if found is not None and (best is None or found.step_s < best):
+                    best = found.step_s
     return best
 
 

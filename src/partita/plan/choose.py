@@ -11,7 +11,8 @@ from partita.graph import ModelGraph, Profile
 from partita.plan.cost import CostModel, Layout
 from partita.plan.explain import size
 from partita.plan.plan import Estimate, Plan, StagePlan, check_batch
-from partita.plan.search import NODE_BUDGET, Candidate, Constraints, SearchResult, _PartitionSearch, layouts, search
+from partita.plan.search import (NODE_BUDGET, Candidate, Constraints, SearchResult, _PartitionSearch, evaluate,
+                                  layouts, search)
 from partita.schedule.placement import SCHEDULES, stages_per_rank
 
 
@@ -75,6 +76,18 @@ def to_plan(graph: ModelGraph, model: CostModel, best: Candidate, result: Search
         local_batch=global_batch // cluster.world_size, device_memory_bytes=cluster.memory_per_rank,
         estimate=estimate,
     )
+
+
+def simulate_plan(plan: Plan, graph: ModelGraph, profile: Profile, cluster: Cluster, optimizer_factor: float):
+    """The simulated step (a Trace, for pictures) of a plan's exact layout, boundaries and recomputation."""
+    global_batch = plan.estimate.global_batch if plan.estimate else plan.local_batch * plan.world_size
+    rows = global_batch // plan.num_replicas // plan.num_microbatches
+    layout = Layout(plan.schedule, plan.num_stages, plan.pipeline_size, plan.num_replicas, plan.num_microbatches, rows)
+    model = CostModel(graph, profile, cluster, optimizer_factor, layout)
+    found = evaluate(model, [s.blocks for s in plan.stages], [s.recompute for s in plan.stages])
+    if found is None:
+        raise PlanError("the plan does not fit this cluster's memory")
+    return found.trace
 
 
 def _check_constraints(graph: ModelGraph, cluster: Cluster, global_batch: int, c: Constraints) -> None:
@@ -155,6 +168,18 @@ def _reasons(graph, profile, cluster, global_batch, optimizer_factor, constraint
     return tuple(out)
 
 
+def _fitting_layout(graph, profile, cluster, global_batch, optimizer_factor, recompute) -> Layout | None:
+    """A layout whose work-balanced boundaries fit memory, trying the deepest pipelines first (a quick check,
+    for suggestions; not a search)."""
+    candidates = sorted(layouts(graph, cluster, global_batch, Constraints(recompute=recompute)),
+                        key=lambda lay: (-lay.pipeline_size, lay.microbatch_rows))
+    for layout in candidates[:24]:
+        model = CostModel(graph, profile, cluster, optimizer_factor, layout)
+        if _PartitionSearch(model, float("inf"), recompute, 0).balanced() is not None:
+            return layout
+    return None
+
+
 def _infeasible(graph, profile, cluster, global_batch, optimizer_factor, constraints, result) -> str:
     lines = [f"no plan fits in {size(cluster.memory_per_rank)} per rank on {cluster.describe()}:"]
     if cluster.overhead_bytes >= cluster.memory_per_rank:
@@ -165,23 +190,17 @@ def _infeasible(graph, profile, cluster, global_batch, optimizer_factor, constra
     _, dp_memory = _data_parallel(graph, profile, cluster, global_batch, optimizer_factor)
     lines.append(f"  the whole model on one rank needs {size(dp_memory)}")
     changes = []
-    for factor in (2, 4, 8, 16):
+    for factor in (2, 4, 8, 16, 32, 64):
         bigger = replace(cluster, num_nodes=cluster.num_nodes * factor)
-        try:
-            found = search(graph, profile, bigger, global_batch=global_batch * factor,
-                           optimizer_factor=optimizer_factor, constraints=Constraints(recompute=constraints.recompute),
-                           node_budget=500)
-        except PlanError:
-            continue
-        if found.best is not None:
-            changes.append(f"{bigger.world_size} devices (same local batch) would fit as "
-                           f"{found.best.layout.describe()}")
+        fits = _fitting_layout(graph, profile, bigger, global_batch * factor, optimizer_factor, constraints.recompute)
+        if fits is not None:
+            changes.append(f"{bigger.world_size} devices (same local batch) would fit, e.g. as {fits.describe()}")
             break
     if constraints.recompute is False:
         changes.append("allow recomputation (recompute=None)")
     if constraints.stages or constraints.replicas:
         changes.append("let partita choose stages and replicas")
-    changes.append("a smaller local batch, an optimizer with less state (SGD keeps none), or sharding "
-                   "(a later partita version)")
+    changes.append("a smaller local batch, weights in bfloat16 (half the bytes), an optimizer with less state "
+                   "(SGD keeps none), or sharding (a later partita version)")
     lines.append("  smallest changes that would fit: " + "; ".join(changes))
     return "\n".join(lines)

@@ -104,6 +104,22 @@ class CostModel:
             orders(layout.schedule, layout.num_stages, layout.pipeline_size, layout.num_microbatches),
             layout.num_stages)
         self._stage = lru_cache(maxsize=None)(self._compute_stage)
+        self._params: dict[tuple[int, int], int] = {}
+        self.pipelined = not layout.data_parallel_only
+        # bytes of weights + gradients + optimizer state per byte of parameters
+        self.static_per_param_byte = 1 + (2 if self.pipelined else 1) + optimizer_factor
+        self.capacity = cluster.memory_per_rank - cluster.overhead_bytes
+
+    def param_bytes(self, start: int, stop: int) -> int:
+        key = (start, stop)
+        if key not in self._params:
+            self._params[key] = self.graph.param_bytes_of(start, stop)
+        return self._params[key]
+
+    def static_bytes_lower_bound(self, start: int, stop: int, num_stages: int) -> float:
+        """No split of blocks [start, stop) over `num_stages` stages keeps the largest stage's weights, gradients
+        and optimizer state under this (every parameter lives in at least one stage)."""
+        return self.param_bytes(start, stop) * self.static_per_param_byte / num_stages
 
     @property
     def num_blocks(self) -> int:
@@ -132,27 +148,33 @@ class CostModel:
         recomputation would update twice). None if neither fits."""
         return self._stage(stage, start, stop, recompute)
 
-    def _compute_stage(self, stage: int, start: int, stop: int, recompute: bool | None) -> StageCost | None:
-        layout = self.layout
-        params = self.graph.param_bytes_of(start, stop)
-        fwd = self._fwd[stop] - self._fwd[start]
-        bwd = self._bwd[stop] - self._bwd[start]
+    def memory_needed(self, stage: int, start: int, stop: int) -> int:
+        """The least memory blocks [start, stop) need as `stage`, feasible or not (for messages)."""
+        return min(self._memory(stage, start, stop, rc).total for rc in (False, True))
+
+    def _memory(self, stage: int, start: int, stop: int, recompute: bool) -> Memory:
+        params = self.param_bytes(start, stop)
         acts = self._act[stop] - self._act[start]
         in_bytes = self._boundary[start - 1] if start > 0 else 0.0
         out_bytes = self._boundary[stop - 1] if stop < self.num_blocks else 0.0
         held = self.in_flight[stage]
-        pipelined = not layout.data_parallel_only
-        grads = params * (2 if pipelined else 1)  # pipelines hold fresh gradients beside .grad until they are summed
-        buffers = (layout.num_microbatches * (in_bytes + out_bytes) if pipelined else 0) + min(params, GRAD_BUCKET_BYTES)
-        budget = self.cluster.memory_per_rank - self.cluster.overhead_bytes
+        grads = params * (2 if self.pipelined else 1)  # pipelines hold fresh gradients beside .grad until summed
+        buffers = ((self.layout.num_microbatches * (in_bytes + out_bytes) if self.pipelined else 0)
+                   + min(params, GRAD_BUCKET_BYTES))
+        kept = (in_bytes * held + acts) if recompute else acts * held
+        return Memory(int(params), int(grads), int(params * self.optimizer_factor), int(kept), int(buffers), 0)
+
+    def _compute_stage(self, stage: int, start: int, stop: int, recompute: bool | None) -> StageCost | None:
+        params = self.param_bytes(start, stop)
+        fwd = self._fwd[stop] - self._fwd[start]
+        bwd = self._bwd[stop] - self._bwd[start]
         writes = any(self._writes[start:stop])
         options = [False, True] if recompute is None else [recompute]
         for rc in options:
             if rc and writes:
                 continue
-            kept = (in_bytes * held + acts) if rc else acts * held
-            memory = Memory(int(params), int(grads), int(params * self.optimizer_factor), int(kept), int(buffers), 0)
-            if memory.total <= budget:
+            memory = self._memory(stage, start, stop, rc)
+            if memory.total <= self.capacity:
                 return StageCost(
                     blocks=(start, stop), recompute=rc, fwd_s=fwd, bwd_s=bwd + (fwd if rc else 0.0),
                     send_fwd_s=self.boundary_s(stage, stop), send_bwd_s=self.boundary_s(stage - 1, start) if stage else 0.0,

@@ -32,6 +32,9 @@ from partita.sim import StageCosts, Trace, simulate
 
 SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 NODE_BUDGET = 4_000  # per layout: small instances finish far below it; see SearchResult.proven_optimal
+# Looped layouts have only weak bounds (no closed form is known for them), so a deep search there rarely
+# pays off; they get a quarter of the budget.
+LOOPED_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ def search(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global_batc
     for bound, i in bounded:
         if bound >= best_s:
             break
+        if _too_big(models[i]):
+            continue
         quick = _PartitionSearch(models[i], best_s, constraints.recompute, 0).balanced()
         result.simulations += 1
         if quick is not None and quick.step_s < best_s:
@@ -126,7 +131,12 @@ def search(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global_batc
             result.lower_bound_s = min(result.lower_bound_s, bound)
             continue
         model = models[i]
-        search = _PartitionSearch(model, best_s, constraints.recompute, node_budget)
+        too_big = _too_big(model)
+        if too_big:
+            result.rejected.append((model.layout, too_big))
+            continue
+        budget = node_budget // LOOPED_SHARE if stages_per_rank(model.layout.schedule) > 1 else node_budget
+        search = _PartitionSearch(model, best_s, constraints.recompute, budget)
         found = search.run()
         result.layouts_searched += 1
         result.nodes += search.nodes
@@ -141,6 +151,16 @@ def search(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global_batc
     if result.best is not None:
         result.lower_bound_s = min(result.lower_bound_s, result.best.step_s)
     return result
+
+
+def _too_big(model: CostModel) -> str:
+    """Why no partition of this layout can fit (empty if one might): the average rank's weights, gradients and
+    optimizer state alone exceed its memory."""
+    need = model.static_bytes_lower_bound(0, model.num_blocks, model.layout.pipeline_size)
+    if need <= model.capacity:
+        return ""
+    return (f"weights, gradients and optimizer state alone need at least {size(need)} per rank, "
+            f"{size(model.capacity)} available after the process's own {size(model.cluster.overhead_bytes)}")
 
 
 def _layout_bound(model: CostModel) -> float:
@@ -233,8 +253,8 @@ class _PartitionSearch:
             cluster = self.model.cluster
             need = size(self.smallest_memory) if self.smallest_memory else "more than the model"
             self.infeasible_reason = (
-                f"no stage boundaries fit: the lightest stage needs {need} per rank besides the "
-                f"{size(cluster.overhead_bytes)} the process itself uses, {size(cluster.memory_per_rank)} available")
+                f"no stage boundaries fit: the smallest stage that did not fit needs {need} besides the "
+                f"{size(cluster.overhead_bytes)} the process itself uses, {size(cluster.memory_per_rank)} per rank")
         return self.best
 
     def _tail(self, cost: StageCost) -> float:
@@ -265,12 +285,12 @@ class _PartitionSearch:
         if self.recompute is not None or stages_per_rank(model.layout.schedule) == 1 or not self.memory_is_short:
             cost = model.stage(stage, start, stop, self.recompute)
             if cost is None:
-                self._note_memory(start, stop)
+                self._note_memory(stage, start, stop)
             return [cost] if cost is not None else []
         options = [c for c in (model.stage(stage, start, stop, False), model.stage(stage, start, stop, True))
                    if c is not None]
         if not options:
-            self._note_memory(start, stop)
+            self._note_memory(stage, start, stop)
         return options
 
     def _try(self, stage: int, stop: int, path: _Path, cost: StageCost) -> None:
@@ -305,13 +325,16 @@ class _PartitionSearch:
         up, down = balanced, balanced - 1
         while up <= highest or down >= lowest:
             if up <= highest:
-                if prefixes + m * model.work(start, up) >= self.best_s:
+                # a longer stage only takes more time, and more memory: past one that cannot fit, none can
+                if prefixes + m * model.work(start, up) >= self.best_s or model.stage(stage, start, up) is None:
                     up = highest + 1
                 else:
                     yield up
                     up += 1
             if down >= lowest:
-                if prefixes + m * model.work(down, n) / (left - 1) >= self.best_s:
+                # a shorter stage leaves more work, and more weights, to the later stages
+                if (prefixes + m * model.work(down, n) / (left - 1) >= self.best_s
+                        or model.static_bytes_lower_bound(down, n, left - 1) > self.capacity):
                     down = lowest - 1
                 else:
                     yield down
@@ -354,10 +377,9 @@ class _PartitionSearch:
             self.best_s = trace.step_s
             self.best = Candidate(lay, tuple(stages), trace, path.tails, tuple(c.allreduce_s for c in stages))
 
-    def _note_memory(self, start: int, stop: int) -> None:
+    def _note_memory(self, stage: int, start: int, stop: int) -> None:
         """Remember the smallest refused stage, for the infeasibility message."""
-        params = self.model.graph.param_bytes_of(start, stop)
-        need = int(params * (2 + self.model.optimizer_factor))
+        need = self.model.memory_needed(stage, start, stop)
         self.smallest_memory = need if self.smallest_memory is None else min(self.smallest_memory, need)
 
 
@@ -365,6 +387,20 @@ def _replace_bound(path: _Path, bound: float) -> _Path:
     from dataclasses import replace
 
     return replace(path, bound=bound)
+
+
+def evaluate(model: CostModel, ranges: list[tuple[int, int]], recompute: list[bool]) -> Candidate | None:
+    """Simulate given stage boundaries and recomputation under the model's layout (None if they don't fit)."""
+    search = _PartitionSearch(model, math.inf, None, 0)
+    path = search._root()
+    for stage, ((start, stop), rc) in enumerate(zip(ranges, recompute)):
+        cost = model.stage(stage, start, stop, rc)
+        position = search.position[stage]
+        if cost is None or path.rank_memory[position] + cost.memory.total > search.capacity:
+            return None
+        path = path.extend(cost, position, model.layout.num_microbatches, search._tail(cost))
+    search._evaluate(path)
+    return search.best
 
 
 def _warmups(rank_orders, num_stages: int) -> list[int]:

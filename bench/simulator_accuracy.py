@@ -1,0 +1,117 @@
+"""Predicted vs measured step time on this machine, for fixed layouts of two models on CPU ranks.
+
+    python bench/simulator_accuracy.py [--steps 12]
+
+For each configuration (stages x replicas x micro-batches x schedule), partita plans with that layout fixed
+(measured block costs and links), and the plan's estimated step time is compared with the median of
+measured steps. Prints one line per configuration and the median absolute error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (model, ranks, stages, micro-batches, schedule, local batch)
+CONFIGS = [
+    ("mlp", 2, 1, 1, "GPipe", 32),
+    ("mlp", 2, 2, 4, "GPipe", 32),
+    ("mlp", 2, 2, 4, "1F1B", 32),
+    ("mlp", 2, 2, 8, "1F1B", 32),
+    ("mlp", 4, 2, 4, "1F1B", 32),
+    ("mlp", 4, 4, 8, "1F1B", 32),
+    ("mlp", 2, 4, 4, "Interleaved1F1B", 32),
+    ("gpt", 2, 1, 1, "GPipe", 8),
+    ("gpt", 2, 2, 4, "1F1B", 8),
+    ("gpt", 2, 2, 8, "GPipe", 8),
+    ("gpt", 4, 2, 4, "1F1B", 8),
+    ("gpt", 4, 4, 4, "1F1B", 8),
+]
+
+
+def _model(name: str):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import torch
+
+    from models import SmallGPT, TutorialMLP, lm_loss
+
+    torch.manual_seed(0)
+    if name == "mlp":
+        return TutorialMLP(512, 8), torch.nn.MSELoss(), lambda b: (torch.randn(b, 512), torch.randn(b, 512))
+    model = SmallGPT(vocab=256, dim=128, heads=4, layers=4, context=64)
+    return model, lm_loss, lambda b: (torch.randint(0, 256, (b, 64)), torch.randint(0, 256, (b, 64)))
+
+
+def worker(out: str, steps: int, configs: list) -> None:
+    import torch
+
+    import partita
+
+    w = partita.init()
+    results = []
+    for name, ranks, stages, mbs, schedule, local_batch in configs:
+        model, loss_fn, batch = _model(name)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        pm = partita.parallelize(model, opt, loss_fn=loss_fn, stages=stages, micro_batches=mbs, schedule=schedule)
+        x, y = batch(local_batch)
+        times = []
+        for step in range(steps + 2):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            opt.zero_grad()
+            pm(x, y).backward()
+            opt.step()
+            torch.distributed.barrier()
+            if step >= 2:  # the first call captures, measures and plans; the second warms up
+                times.append(time.perf_counter() - start)
+        if w.rank == 0:
+            results.append({"config": [name, ranks, stages, mbs, schedule, local_batch],
+                            "predicted": pm.plan.estimate.step_s, "measured": statistics.median(times),
+                            "plan": pm.plan.explain().splitlines()[0]})
+    if w.rank == 0:
+        Path(out).write_text(json.dumps(results))
+    partita.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--configs", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker, args.steps, json.loads(args.configs))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, PARTITA_CACHE_DIR=os.path.join(tmp, "cache"), PARTITA_LOG="off")
+        for ranks in sorted({c[1] for c in CONFIGS}):
+            configs = [c for c in CONFIGS if c[1] == ranks]
+            out = os.path.join(tmp, f"r{ranks}.json")
+            cmd = [str(Path(sys.executable).parent / "partita"), "run", "-n", str(ranks), "--quiet", "--log-dir",
+                   os.path.join(tmp, "logs"), __file__, "--worker", out, "--steps", str(args.steps),
+                   "--configs", json.dumps(configs)]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+            rows += json.loads(Path(out).read_text())
+    errors = []
+    print(f"{'model':5} {'ranks':>5} {'stages':>6} {'mbs':>4} {'schedule':16} {'predicted':>10} {'measured':>10} {'error':>7}")
+    for r in rows:
+        name, ranks, stages, mbs, schedule, _ = r["config"]
+        err = (r["predicted"] - r["measured"]) / r["measured"]
+        errors.append(abs(err))
+        print(f"{name:5} {ranks:5d} {stages:6d} {mbs:4d} {schedule:16} {r['predicted'] * 1e3:8.1f}ms "
+              f"{r['measured'] * 1e3:8.1f}ms {100 * err:+6.1f}%")
+    print(f"simulator_accuracy: {len(errors)} configurations, median |error| {100 * statistics.median(errors):.1f}%, "
+          f"max {100 * max(errors):.1f}%")
+
+
+if __name__ == "__main__":
+    main()
