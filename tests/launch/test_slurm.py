@@ -29,11 +29,13 @@ def test_partita_slurm(slurm, tmp_path, launcher):
                             cwd=tmp_path)
     first = proc.stdout.readline()
     job_id = re.search(r"submitted job (\d+)", first).group(1)
-    # what Slurm does before the time limit (--signal=B:USR1): the script notes it and training goes on
-    wait_until_running(slurm, job_id)
+    # what Slurm does before the time limit (--signal=B:USR1), once training runs: the script notes it and
+    # training goes on
+    job_log = tmp_path / "partita-logs" / f"partita-{job_id}.out"
+    wait_for(lambda: job_log.exists() and "partita: launched by" in job_log.read_text(), f"job {job_id} to train")
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, env=env(**slurm.env))
     stdout, stderr = proc.communicate(timeout=240)
-    job_output = (tmp_path / "partita-logs" / f"partita-{job_id}.out").read_text()
+    job_output = job_log.read_text()
     assert proc.returncode == 0, output(subprocess.CompletedProcess(proc.args, proc.returncode, first + stdout,
                                                                     stderr)) + job_output
     assert (tmp_path / "partita-logs" / f"partita-{job_id}.stop").exists()
@@ -41,11 +43,10 @@ def test_partita_slurm(slurm, tmp_path, launcher):
     check(out, 4)
 
 
-def wait_until_running(slurm, job_id: str, timeout_s: float = 60) -> None:
+def wait_for(condition, what: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
-    while "JobState=RUNNING" not in subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
-                                                   env=env(**slurm.env)).stdout:
-        assert time.monotonic() < deadline, f"job {job_id} did not start within {timeout_s} s"
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
         time.sleep(0.2)
 
 

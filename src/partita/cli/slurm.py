@@ -59,5 +59,6 @@ def run(args) -> int:
         return 0
     print(f"partita slurm: waiting for job {job_id} to end", flush=True)
     end = sbatch.wait(job_id)
-    print(f"partita slurm: job {job_id} {end.state}, exit code {end.exit_code}", flush=True)
+    killed = f", ended by signal {end.signal}" if end.signal else ""
+    print(f"partita slurm: job {job_id} {end.state}, exit code {end.exit_code}{killed}", flush=True)
     return end.exit_code if end.state in ("COMPLETED", "GONE") else max(1, end.exit_code)

@@ -171,6 +171,7 @@ class JobState:
 
     state: str  # PENDING, RUNNING, COMPLETED, FAILED, ... or GONE once Slurm has forgotten the job
     exit_code: int
+    signal: int  # the signal that ended the batch script, 0 if none
     reason: str
 
     @property
@@ -182,10 +183,10 @@ def job_state(job_id: int) -> JobState:
     """The job's state now (scontrol: sacct needs accounting, which small clusters often lack)."""
     shown = _slurm("scontrol", "show", "job", "--oneliner", str(job_id))
     if shown.returncode != 0:  # "Invalid job id": the job ended longer ago than Slurm's MinJobAge
-        return JobState("GONE", 0, shown.stderr.strip())
+        return JobState("GONE", 0, 0, shown.stderr.strip())
     fields = dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
-    return JobState(fields.get("JobState", "UNKNOWN"), int(fields.get("ExitCode", "0:0").split(":")[0]),
-                    fields.get("Reason", ""))
+    exit_code, _, signal = fields.get("ExitCode", "0:0").partition(":")
+    return JobState(fields.get("JobState", "UNKNOWN"), int(exit_code), int(signal or 0), fields.get("Reason", ""))
 
 
 def wait(job_id: int, poll_s: float = 2.0) -> JobState:
