@@ -63,19 +63,25 @@ def worker(out: str, steps: int, configs: list) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         pm = partita.parallelize(model, opt, loss_fn=loss_fn, stages=stages, micro_batches=mbs, schedule=schedule)
         x, y = batch(local_batch)
-        times = []
-        for step in range(steps + 2):
-            torch.distributed.barrier()
-            start = time.perf_counter()
+
+        def step():
             opt.zero_grad()
             pm(x, y).backward()
             opt.step()
+
+        for _ in range(2):  # the first call captures, measures and plans; the second warms up
+            step()
+        blocks = []
+        for _ in range(3):  # steady state: consecutive steps, as in training; the median of three blocks
             torch.distributed.barrier()
-            if step >= 2:  # the first call captures, measures and plans; the second warms up
-                times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.distributed.barrier()
+            blocks.append((time.perf_counter() - start) / steps)
         if w.rank == 0:
             results.append({"config": [name, ranks, stages, mbs, schedule, local_batch],
-                            "predicted": pm.plan.estimate.step_s, "measured": statistics.median(times),
+                            "predicted": pm.plan.estimate.step_s, "measured": statistics.median(blocks),
                             "plan": pm.plan.explain().splitlines()[0]})
     if w.rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -84,7 +90,7 @@ def worker(out: str, steps: int, configs: list) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=6, help="consecutive steps per timed block (3 blocks)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--configs", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -42,12 +42,13 @@ def test_zoo_two_stages(pools, name):
 @pytest.mark.parametrize("name", ["shared_linear", "tied_embedding", "gpt", "forkjoin"])
 def test_zoo_stages_and_replicas(pools, name):
     """Two stages x two replicas (world 4), outputs returned to the caller, SGD with momentum."""
-    check(pools.run(4, "support.cases:fidelity", name, stages=2, style="outputs", optimizer="sgd"))
+    check(pools.run(4, "support.cases:fidelity", name, stages=2, replicas=2, style="outputs", optimizer="sgd"))
 
 
 def test_batchnorm_buffers_match_one_process(pools):
     """BatchNorm sees the whole batch (one replica, one micro-batch): running stats equal one process's."""
-    r = check(pools.run(2, "support.cases:fidelity", "batchnorm", stages=2, micro_batches=1, eval_batch=4))
+    r = check(pools.run(2, "support.cases:fidelity", "batchnorm", stages=2, replicas=1, micro_batches=1,
+                        eval_batch=4))
     assert r["diffs"]["state_dict"]["checked"] >= 6  # running_mean, running_var, num_batches_tracked x 2
 
 
@@ -63,19 +64,19 @@ def test_model_without_parameters(pools):
 
 
 def test_input_gradients_with_loss_fn(pools):
-    r = check(pools.run(4, "support.cases:fidelity", "mlp", stages=2, input_grad=True))
+    r = check(pools.run(4, "support.cases:fidelity", "mlp", stages=2, replicas=2, input_grad=True))
     assert r["diffs"]["input_grad"]["checked"] > 0
 
 
 @pytest.mark.parametrize("style", ["loss_fn", "outputs"])
 def test_gradient_accumulation(pools, style):
     """Two forward/backward calls per optimizer step."""
-    check(pools.run(4, "support.cases:fidelity", "mlp", stages=2, style=style, accumulate=2))
+    check(pools.run(4, "support.cases:fidelity", "mlp", stages=2, replicas=2, style=style, accumulate=2))
 
 
 def test_state_dict_round_trip_into_another_plan(pools):
     """Model and optimizer state saved under 2 stages x 2 replicas load into a fresh 4-stage run."""
-    r = check(pools.run(4, "support.cases:fidelity", "gpt", stages=2, roundtrip={"stages": 4}))
+    r = check(pools.run(4, "support.cases:fidelity", "gpt", stages=2, replicas=2, roundtrip={"stages": 4}))
     assert any("after reload" in v["worst"] or v["checked"] for v in r["diffs"].values())
 
 

@@ -249,7 +249,7 @@ def batchnorm_replicas(stages: int) -> dict:
     torch.manual_seed(0)
     model = case.make()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    pm = partita.parallelize(model, opt, stages=stages)
+    pm = partita.parallelize(model, opt, stages=stages, replicas=partita.get_world_size() // stages)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(3):
         (x,), _, y = case.batch(8, gen)

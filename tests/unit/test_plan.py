@@ -24,7 +24,8 @@ def model(work, param_mb=1, act_mb=0.1, call_s=5e-5):
 
 
 def cluster(world, memory_mb):
-    device = DeviceSpec("test", int(memory_mb * MB), {"float32": 1e12}, 1e11, 1.0, 0.0, 0, Link(1e-6, 1e10),
+    device = DeviceSpec("test", int(memory_mb * MB), {"float32": 1e12}, 1e11, 1.0, 0.0, 0, 1e-5, 1e-4, 1e-4,
+                        Link(1e-6, 1e10),
                         Link(1e-5, 1e9), world, "test")
     return Cluster(device, 1, world)
 

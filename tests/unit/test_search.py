@@ -27,7 +27,8 @@ def instance(rng: random.Random):
                   Fit.line(rng.uniform(0, 2e-3), rng.uniform(1e-4, 2e-2)),
                   Fit.line(0, rng.choice([1e5, 1e6, 4e6]))) for _ in range(n)))
     device = DeviceSpec("test", rng.choice([60, 100, 200, 10**4]) * 10**6, {"float32": 1e12}, 1e11, 1.0, 0.0,
-                        10 * 10**6, Link(1e-5, 1e10), Link(5e-5, 1e9), 2, "random")
+                        10 * 10**6, rng.choice([0.0, 1e-4]), rng.choice([0.0, 1e-3]), rng.choice([0.0, 5e-4]),
+                        Link(1e-5, 1e10), Link(5e-5, 1e9), 2, "random")
     world = rng.choice([1, 2, 4])
     cluster = Cluster(device, num_nodes=max(1, world // 2), devices_per_node=min(world, 2))
     return graph, profile, cluster, rng.choice([4, 8, 12]), rng.choice([0.0, 1.0, 2.0])

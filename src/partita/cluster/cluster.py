@@ -25,6 +25,9 @@ class DeviceSpec:
     matmul_efficiency: float  # fraction of peak that large matmuls reach
     op_overhead_s: float  # fixed cost of launching one op
     fixed_overhead_bytes: int  # memory a process uses before the model (CUDA context, allocator, libraries)
+    action_overhead_s: float  # partita's runtime per pipeline action (a stage's forward or backward of a micro-batch)
+    pipeline_step_overhead_s: float  # per pipeline step: routing rows, agreeing on shapes, summing the loss
+    data_parallel_step_overhead_s: float  # per data-parallel step: DDP and the global-loss all-reduce
     intra_node: Link  # between devices of one node
     inter_node: Link  # between nodes, per device
     devices_per_node: int
@@ -47,6 +50,7 @@ class Cluster:
     allreduce_ranks: int = 0
     memory_bytes: int = 0  # per rank, when less than the device's (shared host RAM, a user limit)
     fixed_overhead_bytes: int = -1  # measured; -1: the device preset's
+    overheads_s: tuple[float, float, float] | None = None  # measured (data parallel step, pipeline step, action)
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -60,6 +64,15 @@ class Cluster:
     @property
     def overhead_bytes(self) -> int:
         return self.fixed_overhead_bytes if self.fixed_overhead_bytes >= 0 else self.device.fixed_overhead_bytes
+
+    @property
+    def action_overhead_s(self) -> float:
+        return self.overheads_s[2] if self.overheads_s else self.device.action_overhead_s
+
+    def step_overhead_s(self, pipelined: bool) -> float:
+        if self.overheads_s:
+            return self.overheads_s[1] if pipelined else self.overheads_s[0]
+        return self.device.pipeline_step_overhead_s if pipelined else self.device.data_parallel_step_overhead_s
 
     def node_of(self, rank: int) -> int:
         return rank // self.devices_per_node

@@ -17,13 +17,18 @@ GiB = 2**30
 _NVLINK_LATENCY_S = 5e-6  # NCCL point-to-point over NVLink, small messages
 _IB_LATENCY_S = 10e-6  # NCCL over InfiniBand, small messages
 _CUDA_FIXED_BYTES = 1 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers, allocator slack
+# partita's runtime on GPUs: Python per pipeline action (torch's stage machinery, NCCL send/recv launches) and
+# per step (routing, agreement, loss sum); typical of eager PyTorch, not measured here (no GPU on this machine)
+_GPU_ACTION_S, _GPU_PIPELINE_STEP_S, _GPU_DATA_PARALLEL_STEP_S = 100e-6, 1e-3, 300e-6
 
 
 def _gpu(name, memory_bytes, fp32, bf16, mem_bw, nvlink_bps, ib_bps, source):
     return DeviceSpec(
         name=name, memory_bytes=memory_bytes, flops={"float32": fp32, "bfloat16": bf16, "float16": bf16},
         mem_bandwidth_bps=mem_bw, matmul_efficiency=0.7, op_overhead_s=10e-6,
-        fixed_overhead_bytes=_CUDA_FIXED_BYTES, intra_node=Link(_NVLINK_LATENCY_S, nvlink_bps),
+        fixed_overhead_bytes=_CUDA_FIXED_BYTES, action_overhead_s=_GPU_ACTION_S,
+        pipeline_step_overhead_s=_GPU_PIPELINE_STEP_S, data_parallel_step_overhead_s=_GPU_DATA_PARALLEL_STEP_S,
+        intra_node=Link(_NVLINK_LATENCY_S, nvlink_bps),
         inter_node=Link(_IB_LATENCY_S, ib_bps), devices_per_node=8, source=source,
     )
 
@@ -52,10 +57,12 @@ DEVICES: dict[str, DeviceSpec] = {
     "cpu": DeviceSpec(
         name="cpu", memory_bytes=6 * GiB, flops={"float32": 104e9}, mem_bandwidth_bps=7.8e9,
         matmul_efficiency=1.0, op_overhead_s=15e-6, fixed_overhead_bytes=330 * 2**20,
+        action_overhead_s=0.75e-3, pipeline_step_overhead_s=3.4e-3, data_parallel_step_overhead_s=2.6e-3,
         intra_node=Link(180e-6, 1.0e9), inter_node=Link(180e-6, 1.0e9), devices_per_node=4,
         source="measured 2026-11-21 on the 2-core development VM, one thread per rank: 1024x1024 fp32 matmul "
                "104 GFLOP/s, 64 MiB copy 7.5-8.1 GB/s, a process with torch imported 329 MiB, gloo scalar "
-               "all-reduce 0.18 ms between 2 ranks; memory: 24 GiB shared by 4 ranks"),
+               "all-reduce 0.18 ms between 2 ranks; partita's runtime at 2 ranks: 0.75 ms per pipeline action, "
+               "3.4 ms per pipeline step, 2.6 ms per data-parallel step; memory: 24 GiB shared by 4 ranks"),
 }
 
 

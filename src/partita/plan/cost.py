@@ -166,8 +166,9 @@ class CostModel:
 
     def _compute_stage(self, stage: int, start: int, stop: int, recompute: bool | None) -> StageCost | None:
         params = self.param_bytes(start, stop)
-        fwd = self._fwd[stop] - self._fwd[start]
-        bwd = self._bwd[stop] - self._bwd[start]
+        runtime = self.cluster.action_overhead_s if self.pipelined else 0.0
+        fwd = self._fwd[stop] - self._fwd[start] + runtime
+        bwd = self._bwd[stop] - self._bwd[start] + runtime
         writes = any(self._writes[start:stop])
         options = [False, True] if recompute is None else [recompute]
         for rc in options:

@@ -232,7 +232,8 @@ class _PartitionSearch:
 
     def _root(self) -> _Path:
         p = self.model.layout.pipeline_size
-        return _Path(rank_work=(0.0,) * p, rank_start=(None,) * p, rank_memory=(0,) * p, tails=(0.0,) * p)
+        step = self.model.cluster.step_overhead_s(self.model.pipelined)
+        return _Path(rank_work=(0.0,) * p, rank_start=(None,) * p, rank_memory=(0,) * p, tails=(step,) * p)
 
     def balanced(self) -> Candidate | None:
         """The plan with boundaries that balance forward + backward work (no branching), if it fits."""

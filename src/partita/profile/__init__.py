@@ -17,6 +17,7 @@ from partita.graph import ModelGraph, Profile
 from partita.profile import cache
 from partita.profile.blocks import measure_blocks, profile_rows
 from partita.profile.comm import measure_allreduce, measure_p2p
+from partita.profile.overheads import measure_overheads
 
 __all__ = ["device_spec", "measure"]
 
@@ -69,7 +70,8 @@ def measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loca
     if _agreed(cached_profile is not None):
         profile = Profile.from_json(cached_profile) if rank == 0 else None
     else:
-        costs = measure_blocks(cap, graph, local_batch, device, show_progress)
+        costs = measure_blocks(cap, graph, local_batch, device, show_progress,
+                               all_ranks_busy=device.type == "cpu" and local_world_size > (os.cpu_count() or 1))
         profile = None
         if rank == 0:
             source = f"measured on {spec.name if device.type == 'cuda' else 'cpu'} ({device}), torch {torch.__version__}"
@@ -80,8 +82,10 @@ def measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loca
         links = json.loads(cached_links) if rank == 0 else None
     else:
         p2p, allreduce = measure_p2p(device), measure_allreduce(device)
+        runtime = measure_overheads() if world > 1 else None
         links = {"p2p": p2p and [p2p.latency_s, p2p.bandwidth_bps],
-                 "allreduce": allreduce and [allreduce.latency_s, allreduce.bandwidth_bps]}
+                 "allreduce": allreduce and [allreduce.latency_s, allreduce.bandwidth_bps],
+                 "overheads": runtime and [runtime.data_parallel_step_s, runtime.pipeline_step_s, runtime.action_s]}
         if rank == 0:
             cache.store("links", links_key, json.dumps(links))
     overhead = _process_bytes(device)
@@ -93,5 +97,6 @@ def measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loca
         p2p=Link(*links["p2p"]) if links["p2p"] else None,
         allreduce=Link(*links["allreduce"]) if links["allreduce"] else None, allreduce_ranks=world,
         memory_bytes=memory_per_rank, fixed_overhead_bytes=overhead,
+        overheads_s=tuple(links["overheads"]) if links.get("overheads") else None,
     )
     return profile, cluster

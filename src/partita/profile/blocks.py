@@ -73,8 +73,21 @@ def _median_seconds(fn: Callable[[], object], device: torch.device) -> float:
     return statistics.median(times)
 
 
+def backward_launch_seconds(device: torch.device) -> float:
+    """The cost of starting a backward pass at all (the autograd engine), which a stage pays once per
+    micro-batch but a block measured alone would pay once per block."""
+    x = torch.ones(8, device=device, requires_grad=True)
+
+    def tiny():
+        y = x * 2.0
+        torch.autograd.grad([y], [x], [torch.ones_like(y)])
+
+    with torch.enable_grad():
+        return _median_seconds(tiny, device)
+
+
 def measure_block(cap: CapturedGraph, graph: ModelGraph, block: Block, rows: int,
-                  device: torch.device) -> tuple[float, float, float]:
+                  device: torch.device, launch_s: float = 0.0) -> tuple[float, float, float]:
     """(forward seconds, backward seconds, bytes kept for the backward) of one block at `rows` rows."""
     stage = _block_module(cap, graph, block)
     module = stage.module
@@ -109,24 +122,28 @@ def measure_block(cap: CapturedGraph, graph: ModelGraph, block: Block, rows: int
     with torch.no_grad():
         for buf, value in zip(written, saved_before):
             buf.copy_(value)
-    return fwd, max(both - fwd, 0.0), float(sum(saved.values()))
+    return fwd, max(both - fwd - launch_s, 0.0), float(sum(saved.values()))
 
 
 def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, device: torch.device,
-                   show_progress: bool = True) -> dict[str, BlockCost]:
+                   show_progress: bool = True, all_ranks_busy: bool = False) -> dict[str, BlockCost]:
     """Costs by block signature. Every rank measures its share of the distinct blocks; rank 0 gets them all
-    (other ranks get an empty dict)."""
+    (other ranks get an empty dict).
+
+    With `all_ranks_busy` (ranks that share a CPU's cores), every rank measures every block, so that each
+    measurement sees the contention that training will see; rank 0's numbers are kept."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     first_of: dict[str, Block] = {}
     for b in graph.blocks:
         first_of.setdefault(b.signature, b)
     signatures = sorted(first_of)
-    mine = signatures[rank::world]
+    mine = signatures if all_ranks_busy else signatures[rank::world]
     r1, r2 = profile_rows(local_batch)
+    launch = backward_launch_seconds(device)
     results = {}
     for i, sig in enumerate(mine):
-        f1, b1, a1 = measure_block(cap, graph, first_of[sig], r1, device)
-        f2, b2, a2 = measure_block(cap, graph, first_of[sig], r2, device)
+        f1, b1, a1 = measure_block(cap, graph, first_of[sig], r1, device, launch)
+        f2, b2, a2 = measure_block(cap, graph, first_of[sig], r2, device, launch)
         results[sig] = (Fit.through(r1, f1, r2, f2), Fit.through(r1, b1, r2, b2), Fit.through(r1, a1, r2, a2))
         if show_progress and rank == 0:
             _progress(i + 1, len(mine), len(signatures), world, graph.num_blocks)

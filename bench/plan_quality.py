@@ -1,0 +1,161 @@
+"""How good the automatic plan is, measured in one run on this machine's CPU ranks.
+
+    python bench/plan_quality.py [--ranks 4]
+
+1. The automatic plan's throughput / the best of a grid of hand configurations (stages x micro-batches x
+   schedule, boundaries balanced by FLOPs) on a small GPT. Goal: at least 0.95.
+2. On a deliberately imbalanced model (a big embedding and a big classification head that compute little,
+   a parameter-light middle that computes a lot), partita's plan / the same layout split so that stages hold
+   equal parameter counts (DeepSpeed's default, partition_method="parameters"). Goal: at least 1.2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GRID = [(1, 1, "GPipe"), (2, 2, "GPipe"), (2, 4, "GPipe"), (2, 4, "1F1B"), (2, 8, "1F1B"), (4, 4, "GPipe"),
+        (4, 4, "1F1B"), (4, 8, "1F1B")]  # stages, micro-batches, schedule
+
+
+def _gpt():
+    sys.path.insert(0, str(ROOT / "examples"))
+    import torch
+
+    from models import SmallGPT, lm_loss
+
+    torch.manual_seed(0)
+    model = SmallGPT(vocab=256, dim=128, heads=4, layers=4, context=64)
+    return model, lm_loss, lambda b: (torch.randint(0, 256, (b, 64)), torch.randint(0, 256, (b, 64))), 16
+
+
+def _imbalanced():
+    import torch
+    from torch import nn
+
+    class Imbalanced(nn.Module):
+        """Tokens -> embedding (4.2 M parameters, no FLOPs) -> 8 per-token MLPs (33 K parameters each, most of
+        the FLOPs) -> mean over tokens -> classification head (4.2 M parameters, one row per sample)."""
+
+        def __init__(self, vocab=32768, dim=128, classes=32768, depth=8):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            self.mixers = nn.ModuleList([nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
+                                         for _ in range(depth)])
+            self.head = nn.Linear(dim, classes)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for mixer in self.mixers:
+                x = x + mixer(x)
+            return self.head(x.mean(dim=1))
+
+    torch.manual_seed(0)
+    return (Imbalanced(), nn.CrossEntropyLoss(),
+            lambda b: (torch.randint(0, 32768, (b, 256)), torch.randint(0, 32768, (b,))), 8)
+
+
+def _parameter_balanced(plan, graph):
+    """The same layout, with stage boundaries that give each stage the same parameter bytes."""
+    from partita.plan.partition import balance
+
+    ranges = balance([float(graph.param_bytes_of(i, i + 1)) for i in range(graph.num_blocks)], plan.num_stages)
+    stages = tuple(replace(s, blocks=r, first_node=graph.blocks[r[0]].first_node,
+                           last_node=graph.blocks[r[1] - 1].last_node) for s, r in zip(plan.stages, ranges))
+    return replace(plan, stages=stages, estimate=None,
+                   reasons=("boundaries balance parameter counts (DeepSpeed's default)",))
+
+
+def _throughput(pm, opt, batch, local_batch, steps, torch) -> float:
+    x, y = batch(local_batch)
+
+    def step():
+        opt.zero_grad()
+        pm(x, y).backward()
+        opt.step()
+
+    for _ in range(2):
+        step()
+    blocks = []
+    for _ in range(3):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.distributed.barrier()
+        blocks.append((time.perf_counter() - start) / steps)
+    return local_batch * torch.distributed.get_world_size() / statistics.median(blocks)
+
+
+def worker(out: str, steps: int) -> None:
+    import torch
+
+    import partita
+
+    w = partita.init()
+    results = {"grid": [], "imbalanced": {}}
+
+    def run(make, **plan_args):
+        model, loss_fn, batch, local_batch = make()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        pm = partita.parallelize(model, opt, loss_fn=loss_fn, **plan_args)
+        return _throughput(pm, opt, batch, local_batch, steps, torch), pm
+
+    auto, pm = run(_gpt)
+    results["auto"] = {"samples_per_s": auto, "plan": pm.plan.explain().splitlines()[0]}
+    for stages, mbs, schedule in GRID:
+        if w.world_size % stages:
+            continue
+        rate, pm = run(_gpt, stages=stages, micro_batches=mbs, schedule=schedule)
+        results["grid"].append({"config": [stages, mbs, schedule], "samples_per_s": rate,
+                                "plan": pm.plan.explain().splitlines()[0]})
+    ours, pm = run(_imbalanced, stages=w.world_size, schedule="1F1B")
+    by_params = _parameter_balanced(pm.plan, pm._graph)
+    theirs, pm2 = run(_imbalanced, plan=by_params)
+    results["imbalanced"] = {"partita": ours, "parameters": theirs, "partita_plan": pm.plan.explain(),
+                             "parameter_plan": pm2.plan.explain()}
+    if w.rank == 0:
+        Path(out).write_text(json.dumps(results))
+    partita.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5, help="consecutive steps per timed block (3 blocks)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker, args.steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        env = dict(os.environ, PARTITA_CACHE_DIR=os.path.join(tmp, "cache"), PARTITA_LOG="off")
+        cmd = [str(Path(sys.executable).parent / "partita"), "run", "-n", str(args.ranks), "--quiet", "--log-dir",
+               os.path.join(tmp, "logs"), __file__, "--worker", out, "--steps", str(args.steps)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+        r = json.loads(Path(out).read_text())
+    best = max(r["grid"], key=lambda g: g["samples_per_s"])
+    for g in r["grid"]:
+        print(f"plan_quality: hand {g['config']}: {g['samples_per_s']:.0f} samples/s ({g['plan']})")
+    print(f"plan_quality: automatic: {r['auto']['samples_per_s']:.0f} samples/s ({r['auto']['plan']})")
+    print(f"plan_quality: automatic / best hand configuration {best['config']}: "
+          f"{r['auto']['samples_per_s'] / best['samples_per_s']:.3f} (goal >= 0.95)")
+    imb = r["imbalanced"]
+    print(f"plan_quality: imbalanced model, {args.ranks} stages 1F1B: partita {imb['partita']:.0f} samples/s, "
+          f"parameter-balanced split {imb['parameters']:.0f} samples/s, ratio "
+          f"{imb['partita'] / imb['parameters']:.2f} (goal >= 1.2)")
+    print("plan_quality: partita's split:\n" + imb["partita_plan"])
+    print("plan_quality: parameter-balanced split:\n" + imb["parameter_plan"])
+
+
+if __name__ == "__main__":
+    main()
