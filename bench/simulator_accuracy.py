@@ -80,9 +80,11 @@ def worker(out: str, steps: int, configs: list) -> None:
             torch.distributed.barrier()
             blocks.append((time.perf_counter() - start) / steps)
         if w.rank == 0:
+            cluster = pm._costs[1]
             results.append({"config": [name, ranks, stages, mbs, schedule, local_batch],
                             "predicted": pm.plan.estimate.step_s, "measured": statistics.median(blocks),
-                            "plan": pm.plan.explain().splitlines()[0]})
+                            "plan": pm.plan.explain().splitlines()[0], "overheads": cluster.overheads_s,
+                            "stages": [(s.fwd_s, s.bwd_s) for s in pm.plan.stages]})
     if w.rank == 0:
         Path(out).write_text(json.dumps(results))
     partita.shutdown()
@@ -113,8 +115,13 @@ def main() -> None:
         name, ranks, stages, mbs, schedule, _ = r["config"]
         err = (r["predicted"] - r["measured"]) / r["measured"]
         errors.append(abs(err))
+        per_stage = " ".join(f"{f * 1e3:.1f}/{b * 1e3:.1f}" for f, b in r["stages"])
         print(f"{name:5} {ranks:5d} {stages:6d} {mbs:4d} {schedule:16} {r['predicted'] * 1e3:8.1f}ms "
-              f"{r['measured'] * 1e3:8.1f}ms {100 * err:+6.1f}%")
+              f"{r['measured'] * 1e3:8.1f}ms {100 * err:+6.1f}%   fwd/bwd per micro-batch (ms): {per_stage}")
+    for ranks in sorted({r["config"][1] for r in rows}):
+        o = next(r["overheads"] for r in rows if r["config"][1] == ranks)
+        print(f"simulator_accuracy: measured runtime overheads at {ranks} ranks: data-parallel step {o[0] * 1e3:.2f} ms, "
+              f"pipeline step {o[1] * 1e3:.2f} ms, per action {o[2] * 1e3:.3f} ms")
     print(f"simulator_accuracy: {len(errors)} configurations, median |error| {100 * statistics.median(errors):.1f}%, "
           f"max {100 * max(errors):.1f}%")
 

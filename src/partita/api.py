@@ -52,18 +52,6 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * _UNITS[unit])
 
 
-def _log_to_stderr() -> None:
-    """partita reports the plan it chose on stderr, unless the application configured logging for it or
-    PARTITA_LOG=off."""
-    if log.handlers or os.environ.get("PARTITA_LOG", "").lower() == "off":
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("partita: %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-
-
 def _device_memory(device: torch.device, local_world_size: int) -> int:
     """Memory one rank may plan for: the device's, or its share of host RAM, capped by PARTITA_MEMORY_LIMIT."""
     if device.type == "cuda":
@@ -115,6 +103,7 @@ class ParallelModule(nn.Module):
         self._ddp: nn.Module | None = None
         self._owner: dict[str, int] = {}
         self._anchor = torch.zeros((), requires_grad=True)
+        self._costs: tuple = (None, None)
         self._parameter = dict(model.named_parameters(remove_duplicate=False))
 
     # ---- public --------------------------------------------------------------------------------
@@ -146,6 +135,18 @@ class ParallelModule(nn.Module):
         if self._loss_fn is not None and self.module.training and torch.is_grad_enabled():
             return engine.train_step(tensors, target, self._loss_fn, self._reduction, problem)
         return engine.forward(tensors, target, self._loss_fn, self._reduction, torch.is_grad_enabled(), problem)
+
+    def timeline(self, path: str) -> str:
+        """Draw the simulated step of the plan in use (rank 0; .png or .svg); returns the path."""
+        from partita.plan.choose import simulate_plan
+        from partita.sim.timeline import draw_timeline
+
+        profile, cluster = self._costs
+        if self._plan is None or profile is None:
+            raise PlanError("no simulated step to draw: call the model once first (on rank 0, with a plan "
+                            "partita made itself rather than one it was given)")
+        trace = simulate_plan(self._plan, self._graph, profile, cluster, optimizer_state_factor(self._optimizer))
+        return str(draw_timeline(trace, path))
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         """The whole model's state under its original names, the same on every rank."""
@@ -211,7 +212,7 @@ class ParallelModule(nn.Module):
         broadcast_tensors(list(self.module.state_dict(keep_vars=True).values()), world.device)
         self._plan = plan
         if world.rank == 0:
-            _log_to_stderr()
+            env.log_to_stderr()
             log.info("%s", plan.explain())
         if plan.num_stages == 1 and plan.num_microbatches == 1:
             self._ddp = self._make_ddp(planned)
@@ -236,6 +237,7 @@ class ParallelModule(nn.Module):
         profile = cluster = None
         if self._given_plan is None:
             profile, cluster = self._measure(cap, local_batch)
+            self._costs = (profile, cluster)  # on rank 0, what the plan was made from (for its timeline)
         if world.rank == 0:
             try:
                 result[0] = self._make_plan(local_batch, profile, cluster).to_json()

@@ -168,7 +168,7 @@ class CostModel:
         params = self.param_bytes(start, stop)
         runtime = self.cluster.action_overhead_s if self.pipelined else 0.0
         fwd = self._fwd[stop] - self._fwd[start] + runtime
-        bwd = self._bwd[stop] - self._bwd[start] + runtime
+        bwd = self._bwd[stop] - self._bwd[start] + runtime + self._gradient_traffic_s(params)
         writes = any(self._writes[start:stop])
         options = [False, True] if recompute is None else [recompute]
         for rc in options:
@@ -182,6 +182,12 @@ class CostModel:
                     memory=memory, param_bytes=int(params), allreduce_s=self.allreduce_s(stage, int(params)),
                     optimizer_s=self.optimizer_s(int(params)))
         return None
+
+    def _gradient_traffic_s(self, param_bytes: int) -> float:
+        """Writing a backward's parameter gradients: a pipeline adds each micro-batch's into .grad (read both,
+        write one); DDP copies them into its buckets (read one, write one). Block profiles miss it: they take
+        gradients with autograd.grad, which accumulates nothing."""
+        return param_bytes * (3 if self.pipelined else 2) / self.cluster.device.mem_bandwidth_bps
 
     def allreduce_s(self, stage: int, param_bytes: int) -> float:
         return self.cluster.allreduce_s(param_bytes, self.ranks[stage])

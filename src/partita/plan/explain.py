@@ -33,9 +33,9 @@ def explain(plan) -> str:
     >>> p = Plan(world_size=2, num_microbatches=1, schedule="GPipe",
     ...          stages=(StagePlan(0, (0, 3), "linear", "relu", (0, 1)),))
     >>> print(explain(p).splitlines()[0])
-    partita plan: 1 stage x 2 replicas, GPipe, 1 micro-batch, world 2
+    plan: 1 stage x 2 replicas, GPipe, 1 micro-batch, world 2
     """
-    head = (f"partita plan: {plan.num_stages} stage{'s' if plan.num_stages > 1 else ''} x "
+    head = (f"plan: {plan.num_stages} stage{'s' if plan.num_stages > 1 else ''} x "
             f"{plan.num_replicas} replica{'s' if plan.num_replicas > 1 else ''}, {plan.schedule}, "
             f"{plan.num_microbatches} micro-batch{'es' if plan.num_microbatches > 1 else ''}, "
             f"world {plan.world_size}")

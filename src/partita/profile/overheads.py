@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-STEPS = 12
+STEPS = 20
 _WIDTH = 8
 
 
@@ -73,13 +73,14 @@ def measure_overheads() -> Overheads:
     stage with several micro-batches."""
     world = dist.get_world_size()
     stages = 2 if world % 2 == 0 else 1
-    few, many = 1 * stages, 8 * stages
-    local_batch = many  # every micro-batch count divides the rows of a replica
+    counts = [stages, 4 * stages, 8 * stages]
+    local_batch = counts[-1]  # every micro-batch count divides the rows of a replica
     data_parallel = _step_seconds(1, 1, local_batch)
-    t_few = _step_seconds(stages, few, local_batch)
-    t_many = _step_seconds(stages, many, local_batch)
-    # GPipe on S stages runs (M + S - 1) forwards and as many backwards on its critical path
-    per_microbatch = (t_many - t_few) / (many - few)
-    action = max(per_microbatch / 2.0, 0.0)
-    pipeline = max(t_few - 2 * (few + stages - 1) * action, 0.0)
+    # GPipe on S stages runs M + S - 1 forwards and as many backwards on its critical path: a step takes
+    # fixed + 2 (M + S - 1) action seconds; fit both by least squares over the micro-batch counts
+    xs = [2 * (m + stages - 1) for m in counts]
+    ys = [_step_seconds(stages, m, local_batch) for m in counts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    action = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 0.0)
+    pipeline = max(my - action * mx, 0.0)
     return Overheads(data_parallel_step_s=data_parallel, pipeline_step_s=pipeline, action_s=action)
