@@ -43,10 +43,10 @@ def _imbalanced():
     from torch import nn
 
     class Imbalanced(nn.Module):
-        """Tokens -> embedding (4.2 M parameters, no FLOPs) -> 8 per-token MLPs (33 K parameters each, most of
-        the FLOPs) -> mean over tokens -> classification head (4.2 M parameters, one row per sample)."""
+        """Tokens -> embedding (2.1 M parameters, no FLOPs) -> 16 per-token MLPs (33 K parameters each, most of
+        the FLOPs) -> mean over tokens -> classification head (2.1 M parameters, one row per sample)."""
 
-        def __init__(self, vocab=32768, dim=128, classes=32768, depth=8):
+        def __init__(self, vocab=16384, dim=128, classes=16384, depth=16):
             super().__init__()
             self.embed = nn.Embedding(vocab, dim)
             self.mixers = nn.ModuleList([nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
@@ -61,7 +61,7 @@ def _imbalanced():
 
     torch.manual_seed(0)
     return (Imbalanced(), nn.CrossEntropyLoss(),
-            lambda b: (torch.randint(0, 32768, (b, 256)), torch.randint(0, 32768, (b,))), 8)
+            lambda b: (torch.randint(0, 16384, (b, 512)), torch.randint(0, 16384, (b,))), 8)
 
 
 def _parameter_balanced(plan, graph):

@@ -92,9 +92,21 @@ def _line(group: list[fx.Node], measure) -> Fit:
 
 
 def _shape_text(val) -> str:
+    if isinstance(val, (list, tuple)):
+        return f"({','.join(_shape_text(v) for v in val)})"
     if not isinstance(val, torch.Tensor):
         return type(val).__name__
     return f"{val.dtype}{[_concrete(d, 1) for d in val.shape]}{[_concrete(d, 2) for d in val.shape]}"
+
+
+def _op_text(node: fx.Node) -> str:
+    """The op with the shapes of its tensor arguments and output and the values of its other arguments: ops
+    with equal texts count the same (an arange's length or a reduction's dims are arguments, not inputs)."""
+    def arg(a):
+        return _shape_text(a.meta.get("val")) if isinstance(a, fx.Node) else repr(a)
+
+    args = pytree.tree_map(arg, (node.args, dict(node.kwargs)), is_leaf=lambda a: isinstance(a, fx.Node))
+    return f"{node.target}{args}->{_shape_text(node.meta.get('val'))}"
 
 
 @dataclass
@@ -111,14 +123,19 @@ class _Unit:
 
 def _units(cap: CapturedGraph) -> list[_Unit]:
     out = []
+    # units with one signature (the same ops on the same shapes: every layer of a transformer) count the same,
+    # so each distinct one is counted once; counting runs every op on meta tensors, twice
+    counted: dict[str, tuple[Fit, Fit, Fit]] = {}
     for group in units(cap):
         path = _module(group[0])
-        text = ";".join(f"{n.target}({','.join(_shape_text(a.meta.get('val')) for a in n.all_input_nodes)})"
-                        for n in group)
+        text = ";".join(_op_text(n) for n in group)
+        if text not in counted:
+            counted[text] = (_line(group, _flops), _line(group, _traffic),
+                             _line(group, lambda n, b: _bytes(n.meta.get("val"), b)))
+        flops, traffic, activations = counted[text]
         out.append(_Unit(
             nodes=group, path=path.split(".") if path else [],
-            flops=_line(group, _flops), traffic=_line(group, _traffic),
-            activations=_line(group, lambda n, b: _bytes(n.meta.get("val"), b)),
+            flops=flops, traffic=traffic, activations=activations,
             params={cap.fqn_of[a.name] for n in group for a in n.all_input_nodes if a.name in cap.parameters},
             signature=text,
             writes_buffers=any(a.name in cap.fqn_of and a.name not in cap.parameters

@@ -51,6 +51,7 @@ class Cluster:
     memory_bytes: int = 0  # per rank, when less than the device's (shared host RAM, a user limit)
     fixed_overhead_bytes: int = -1  # measured; -1: the device preset's
     overheads_s: tuple[float, float, float] | None = None  # measured (data parallel step, pipeline step, action)
+    cores_per_node: int = 0  # CPU cores shared by a node's ranks; 0: every rank has a device of its own
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -73,6 +74,13 @@ class Cluster:
         if self.overheads_s:
             return self.overheads_s[1] if pipelined else self.overheads_s[0]
         return self.device.pipeline_step_overhead_s if pipelined else self.device.data_parallel_step_overhead_s
+
+    def contention(self, busy_fraction: float) -> float:
+        """How much slower compute runs when a node's ranks share fewer cores than there are ranks, if each rank
+        computes `busy_fraction` of the time (1: no sharing, or every rank has its own device)."""
+        if not self.cores_per_node:
+            return 1.0
+        return max(1.0, self.devices_per_node * busy_fraction / self.cores_per_node)
 
     def node_of(self, rank: int) -> int:
         return rank // self.devices_per_node

@@ -78,6 +78,8 @@ class ModelGraph:
     boundary_bytes: tuple[Fit, ...]  # bytes live across the cut after block i (i < num_blocks - 1)
     input_bytes: Fit  # bytes of the tensor inputs of one call
     fingerprint: str = field(default="")
+    # param_bytes_of by (start, stop): the planner asks for the same ranges under every candidate layout
+    _param_bytes_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.fingerprint:
@@ -96,7 +98,10 @@ class ModelGraph:
         return {p for b in self.blocks[start:stop] for p in b.params}
 
     def param_bytes_of(self, start: int, stop: int) -> int:
-        return sum(self.param_bytes[p] for p in self.params_of(start, stop))
+        key = (start, stop)
+        if key not in self._param_bytes_cache:
+            self._param_bytes_cache[key] = sum(self.param_bytes[p] for p in self.params_of(start, stop))
+        return self._param_bytes_cache[key]
 
     def stage_of_unit(self, stage_of_block: list[int]) -> list[int]:
         """Expand a per-block stage assignment to the splitter's units."""

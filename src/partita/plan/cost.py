@@ -100,21 +100,21 @@ class CostModel:
         self._boundary = [b.at(rows) for b in graph.boundary_bytes]
         self._writes = [b.writes_buffers for b in graph.blocks]
         self.ranks = rank_layout(layout.schedule, layout.num_stages, layout.num_replicas)  # [stage][replica]
-        self.in_flight = microbatches_in_flight(
-            orders(layout.schedule, layout.num_stages, layout.pipeline_size, layout.num_microbatches),
-            layout.num_stages)
+        self.in_flight = _in_flight(layout.schedule, layout.num_stages, layout.pipeline_size, layout.num_microbatches)
         self._stage = lru_cache(maxsize=None)(self._compute_stage)
-        self._params: dict[tuple[int, int], int] = {}
         self.pipelined = not layout.data_parallel_only
         # bytes of weights + gradients + optimizer state per byte of parameters
         self.static_per_param_byte = 1 + (2 if self.pipelined else 1) + optimizer_factor
         self.capacity = cluster.memory_per_rank - cluster.overhead_bytes
+        # ranks that share cores (CPU processes) slow each other down while they compute; a pipeline's ranks
+        # compute only outside its bubble, estimated here by the classic (P-1) / (M*v + P-1)
+        per_rank = layout.num_stages // layout.pipeline_size
+        bubble = (layout.pipeline_size - 1) / (layout.num_microbatches * per_rank + layout.pipeline_size - 1)
+        self.compute_stretch = cluster.contention(1.0 - bubble)
+        self.step_stretch = cluster.contention(1.0)  # every rank steps its optimizer at the same time
 
     def param_bytes(self, start: int, stop: int) -> int:
-        key = (start, stop)
-        if key not in self._params:
-            self._params[key] = self.graph.param_bytes_of(start, stop)
-        return self._params[key]
+        return self.graph.param_bytes_of(start, stop)
 
     def static_bytes_lower_bound(self, start: int, stop: int, num_stages: int) -> float:
         """No split of blocks [start, stop) over `num_stages` stages keeps the largest stage's weights, gradients
@@ -126,14 +126,15 @@ class CostModel:
         return self.graph.num_blocks
 
     def fwd_until(self, stop: int) -> float:
-        return self._fwd[stop]
+        return self._fwd[stop] * self.compute_stretch
 
     def fwd_total(self) -> float:
-        return self._fwd[-1]
+        return self._fwd[-1] * self.compute_stretch
 
     def work(self, start: int, stop: int) -> float:
-        """Forward + backward seconds of blocks [start, stop) per micro-batch, without recomputation."""
-        return self._fwd[stop] - self._fwd[start] + self._bwd[stop] - self._bwd[start]
+        """Forward + backward compute seconds of blocks [start, stop) per micro-batch, without recomputation
+        (a lower bound of what a stage of them costs)."""
+        return (self._fwd[stop] - self._fwd[start] + self._bwd[stop] - self._bwd[start]) * self.compute_stretch
 
     def boundary_s(self, stage: int, cut: int) -> float:
         """Seconds to move the tensors live at `cut` (after block cut-1) from `stage` to `stage + 1`."""
@@ -167,8 +168,9 @@ class CostModel:
     def _compute_stage(self, stage: int, start: int, stop: int, recompute: bool | None) -> StageCost | None:
         params = self.param_bytes(start, stop)
         runtime = self.cluster.action_overhead_s if self.pipelined else 0.0
-        fwd = self._fwd[stop] - self._fwd[start] + runtime
-        bwd = self._bwd[stop] - self._bwd[start] + runtime + self._gradient_traffic_s(params)
+        stretch = self.compute_stretch
+        fwd = (self._fwd[stop] - self._fwd[start]) * stretch + runtime
+        bwd = (self._bwd[stop] - self._bwd[start] + self._gradient_traffic_s(params)) * stretch + runtime
         writes = any(self._writes[start:stop])
         options = [False, True] if recompute is None else [recompute]
         for rc in options:
@@ -194,7 +196,12 @@ class CostModel:
 
     def optimizer_s(self, param_bytes: int) -> float:
         """The optimizer step is memory-bound: read weights, gradients and state, write weights and state."""
-        return param_bytes * (3 + 2 * self.optimizer_factor) / self.cluster.device.mem_bandwidth_bps
+        return param_bytes * (3 + 2 * self.optimizer_factor) / self.cluster.device.mem_bandwidth_bps * self.step_stretch
+
+
+@lru_cache(maxsize=1024)
+def _in_flight(schedule: str, num_stages: int, pipeline_size: int, num_microbatches: int) -> tuple[int, ...]:
+    return microbatches_in_flight(orders(schedule, num_stages, pipeline_size, num_microbatches), num_stages)
 
 
 def _prefix(values: list[float]) -> list[float]:

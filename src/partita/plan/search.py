@@ -18,7 +18,7 @@ between the best plan and the lower bound.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from partita.cluster import Cluster
 from partita.errors import PlanError
@@ -32,6 +32,9 @@ from partita.sim import StageCosts, Trace, simulate
 
 SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 NODE_BUDGET = 4_000  # per layout: small instances finish far below it; see SearchResult.proven_optimal
+# for the whole search: layouts are searched best bound first, so when it runs out the layouts left are the
+# least promising ones (and their bounds go into the reported gap); about a second of Python at most
+SEARCH_BUDGET = 12_000
 # Looped layouts have only weak bounds (no closed form is known for them), so a deep search there rarely
 # pays off; they get a quarter of the budget.
 LOOPED_SHARE = 4
@@ -109,7 +112,8 @@ def layouts(graph: ModelGraph, cluster: Cluster, global_batch: int, constraints:
 
 
 def search(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global_batch: int, optimizer_factor: float,
-           constraints: Constraints = Constraints(), node_budget: int = NODE_BUDGET) -> SearchResult:
+           constraints: Constraints = Constraints(), node_budget: int = NODE_BUDGET,
+           search_budget: int = SEARCH_BUDGET) -> SearchResult:
     """The best plan of the search space (see the module docstring)."""
     candidates = layouts(graph, cluster, global_batch, constraints)
     result = SearchResult(None, True, len(candidates), 0, 0, 0, math.inf)
@@ -136,6 +140,11 @@ def search(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global_batc
             result.rejected.append((model.layout, too_big))
             continue
         budget = node_budget // LOOPED_SHARE if stages_per_rank(model.layout.schedule) > 1 else node_budget
+        budget = min(budget, search_budget - result.nodes)
+        if budget <= 0:
+            result.proven_optimal = False
+            result.lower_bound_s = min(result.lower_bound_s, bound)
+            continue
         search = _PartitionSearch(model, best_s, constraints.recompute, budget)
         found = search.run()
         result.layouts_searched += 1
@@ -385,8 +394,6 @@ class _PartitionSearch:
 
 
 def _replace_bound(path: _Path, bound: float) -> _Path:
-    from dataclasses import replace
-
     return replace(path, bound=bound)
 
 

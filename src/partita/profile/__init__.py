@@ -21,6 +21,8 @@ from partita.profile.overheads import measure_overheads
 
 __all__ = ["device_spec", "measure"]
 
+MEASUREMENT_VERSION = 2  # part of every cache key: measurements made differently are not reused
+
 
 def device_spec(device: torch.device) -> DeviceSpec:
     """The preset closest to this device (its datasheet numbers and typical overheads)."""
@@ -59,10 +61,11 @@ def measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loca
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     spec = device_spec(device)
+    cores = len(os.sched_getaffinity(0)) if device.type == "cpu" else 0
     dtype = str(next((t.dtype for t in cap.tensor_of.values() if t.is_floating_point()), torch.float32))
-    blocks_key = cache.key([b.signature for b in graph.blocks], profile_rows(local_batch), spec.name,
+    blocks_key = cache.key(MEASUREMENT_VERSION, [b.signature for b in graph.blocks], profile_rows(local_batch), spec.name,
                            str(device.type), torch.__version__, dtype)
-    links_key = cache.key(dist.get_backend() if dist.is_initialized() else "none", world, local_world_size,
+    links_key = cache.key(MEASUREMENT_VERSION, dist.get_backend() if dist.is_initialized() else "none", world, local_world_size,
                           spec.name, torch.__version__)
     cached_profile = cache.load("profile", blocks_key) if rank == 0 else None
     cached_links = cache.load("links", links_key) if rank == 0 else None
@@ -71,7 +74,7 @@ def measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loca
         profile = Profile.from_json(cached_profile) if rank == 0 else None
     else:
         costs = measure_blocks(cap, graph, local_batch, device, show_progress,
-                               all_ranks_busy=device.type == "cpu" and local_world_size > (os.cpu_count() or 1))
+                               at_once=cores if local_world_size > cores else 0)
         profile = None
         if rank == 0:
             source = f"measured on {spec.name if device.type == 'cuda' else 'cpu'} ({device}), torch {torch.__version__}"
@@ -98,5 +101,6 @@ def measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loca
         allreduce=Link(*links["allreduce"]) if links["allreduce"] else None, allreduce_ranks=world,
         memory_bytes=memory_per_rank, fixed_overhead_bytes=overhead,
         overheads_s=tuple(links["overheads"]) if links.get("overheads") else None,
+        cores_per_node=cores if per_node > cores else 0,
     )
     return profile, cluster

@@ -9,6 +9,7 @@ statistics) are restored, and the random number generators are forked.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -126,27 +127,34 @@ def measure_block(cap: CapturedGraph, graph: ModelGraph, block: Block, rows: int
 
 
 def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, device: torch.device,
-                   show_progress: bool = True, all_ranks_busy: bool = False) -> dict[str, BlockCost]:
+                   show_progress: bool = True, at_once: int = 0) -> dict[str, BlockCost]:
     """Costs by block signature. Every rank measures its share of the distinct blocks; rank 0 gets them all
     (other ranks get an empty dict).
 
-    With `all_ranks_busy` (ranks that share a CPU's cores), every rank measures every block, so that each
-    measurement sees the contention that training will see; rank 0's numbers are kept."""
+    `at_once` > 0 (ranks that share a CPU's cores): only that many ranks of a node measure at a time, the
+    others wait their turn, so that no measurement is slowed by another; the planner models the sharing."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     first_of: dict[str, Block] = {}
     for b in graph.blocks:
         first_of.setdefault(b.signature, b)
     signatures = sorted(first_of)
-    mine = signatures if all_ranks_busy else signatures[rank::world]
+    mine = signatures[rank::world]
     r1, r2 = profile_rows(local_batch)
-    launch = backward_launch_seconds(device)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    turns = -(-local_world // at_once) if at_once else 1
     results = {}
-    for i, sig in enumerate(mine):
-        f1, b1, a1 = measure_block(cap, graph, first_of[sig], r1, device, launch)
-        f2, b2, a2 = measure_block(cap, graph, first_of[sig], r2, device, launch)
-        results[sig] = (Fit.through(r1, f1, r2, f2), Fit.through(r1, b1, r2, b2), Fit.through(r1, a1, r2, a2))
-        if show_progress and rank == 0:
-            _progress(i + 1, len(mine), len(signatures), world, graph.num_blocks)
+    for turn in range(turns):
+        if not at_once or local_rank // at_once == turn:
+            launch = backward_launch_seconds(device)
+            for i, sig in enumerate(mine):
+                f1, b1, a1 = measure_block(cap, graph, first_of[sig], r1, device, launch)
+                f2, b2, a2 = measure_block(cap, graph, first_of[sig], r2, device, launch)
+                results[sig] = (Fit.through(r1, f1, r2, f2), Fit.through(r1, b1, r2, b2), Fit.through(r1, a1, r2, a2))
+                if show_progress and rank == 0:
+                    _progress(i + 1, len(mine), len(signatures), world, graph.num_blocks)
+        if turns > 1 and world > 1:
+            dist.barrier()
     every: list = [None] * world
     if world > 1:
         dist.all_gather_object(every, results)

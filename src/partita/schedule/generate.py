@@ -11,6 +11,7 @@ classes on stand-in stages and checks that every order here is the one torch exe
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 
 from partita.schedule.placement import LOOPED_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 from partita.schedule.action import FORWARD, FULL_BACKWARD, Action
@@ -18,15 +19,18 @@ from partita.schedule.interleaved import interleaved_1f1b, interleaved_zero_bubb
 from partita.schedule.v_shaped import dual_pipe_v, zbv_zero_bubble
 
 
-def orders(schedule: str, num_stages: int, pipeline_size: int, num_microbatches: int) -> list[list[Action]]:
+@lru_cache(maxsize=1024)
+def orders(schedule: str, num_stages: int, pipeline_size: int, num_microbatches: int) -> tuple[tuple[Action, ...], ...]:
     """The actions each pipeline position runs, in the order torch's schedule `schedule` runs them.
+
+    Immutable and memoized: the planner asks for the same orders for every candidate layout of one shape.
 
     >>> [" ".join(map(str, order)) for order in orders("1F1B", 2, 2, 3)]
     ['0F0 0F1 0B0 0F2 0B1 0B2', '1F0 1B0 1F1 1B1 1F2 1B2']
     """
     check_sizes(schedule, num_stages, pipeline_size, num_microbatches)
     generate = _GENERATORS[schedule]
-    return [generate(rank, num_stages, pipeline_size, num_microbatches) for rank in range(pipeline_size)]
+    return tuple(tuple(generate(rank, num_stages, pipeline_size, num_microbatches)) for rank in range(pipeline_size))
 
 
 def check_sizes(schedule: str, num_stages: int, pipeline_size: int, num_microbatches: int) -> None:
