@@ -10,7 +10,7 @@ The planner (`partita.plan`, `partita.Plan`) is pure Python: importing it does n
 
 from importlib import import_module
 
-from partita.errors import BatchError, CaptureError, LaunchError, PartitaError, PlanError
+from partita.errors import BatchError, CaptureError, CheckpointError, LaunchError, PartitaError, PlanError
 from partita.plan.plan import Plan, StagePlan
 
 # Names that need torch load on first use, so that planning-only code (and `partita plan`) stays light.
@@ -18,10 +18,13 @@ _LAZY = {
     "parallelize": "partita.api", "ParallelModule": "partita.api",
     "init": "partita.launch.env", "get_rank": "partita.launch.env", "get_world_size": "partita.launch.env",
     "barrier": "partita.launch.env", "shutdown": "partita.launch.env",
+    "save": "partita.checkpoint.saving", "load": "partita.checkpoint.loading",
+    "latest_checkpoint": "partita.checkpoint.layout",
+    "elastic": "partita.morph.loop", "Elastic": "partita.morph.loop", "RESUME_EXIT_CODE": "partita.morph.stop",
 }
 
-__all__ = sorted(["BatchError", "CaptureError", "LaunchError", "PartitaError", "Plan", "PlanError", "StagePlan",
-                  *_LAZY])
+__all__ = sorted(["BatchError", "CaptureError", "CheckpointError", "LaunchError", "PartitaError", "Plan", "PlanError",
+                  "StagePlan", *_LAZY])
 __version__ = "0.1.0"
 
 

@@ -136,6 +136,19 @@ class ParallelModule(nn.Module):
             return engine.train_step(tensors, target, self._loss_fn, self._reduction, problem)
         return engine.forward(tensors, target, self._loss_fn, self._reduction, torch.is_grad_enabled(), problem)
 
+    def adopt_plan(self, plan: Plan) -> bool:
+        """Use `plan` (e.g. the one a checkpoint was saved under) at the first call instead of planning, unless
+        a plan is already in use, one was given, or it contradicts a choice given to `parallelize`. True if
+        adopted. The first call still checks that it fits this model and world."""
+        if self._plan is not None or self._given_plan is not None:
+            return False
+        chosen = {"stages": plan.num_stages, "replicas": plan.num_replicas, "micro_batches": plan.num_microbatches,
+                  "schedule": plan.schedule}
+        if any(value is not None and chosen[key] != value for key, value in self._overrides.items()):
+            return False
+        self._given_plan = plan
+        return True
+
     def timeline(self, path: str) -> str:
         """Draw the simulated step of the plan in use (rank 0; .png or .svg); returns the path."""
         from partita.plan.choose import simulate_plan
@@ -216,6 +229,7 @@ class ParallelModule(nn.Module):
             log.info("%s", plan.explain())
         if plan.num_stages == 1 and plan.num_microbatches == 1:
             self._ddp = self._make_ddp(planned)
+            self._settle_ddp_buckets(args, kwargs)
         else:
             replicas = pipeline_groups(plan)
             j = plan.replica_of(world.rank)
@@ -228,6 +242,8 @@ class ParallelModule(nn.Module):
             self._engines[key] = self._new_engine(planned, stage_of_unit)
         if self._optimizer is not None and self._place is not None:
             patch_optimizer(self._optimizer, self._full_optimizer_state, self._keep_local_optimizer_state)
+            # state loaded before this first call (partita.load, load_state_dict) covers the whole model
+            self._keep_local_optimizer_state(self._optimizer)
 
     def _agreed_plan(self, cap: CapturedGraph, local_batch: int) -> Plan:
         """Every rank measures its share (unless a plan was given or the measurements are cached), rank 0
@@ -302,6 +318,30 @@ class ParallelModule(nn.Module):
         unused = any(p.requires_grad and n not in used for n, p in self.module.named_parameters())
         return DistributedDataParallel(self.module, find_unused_parameters=unused)
 
+    def _settle_ddp_buckets(self, args: tuple, kwargs: dict) -> None:
+        """One throwaway forward and backward through DDP, whose effects are undone (gradients, buffers, random
+        streams). torch's DDP sums its first backward in one bucket in parameter order, then re-buckets in the
+        order the gradients became ready. Settled here, every step of every process sums in the same buckets,
+        the first step after a restart from a checkpoint included: resumed training then computes bit for bit
+        what uninterrupted training would have."""
+        if not isinstance(self._ddp, DistributedDataParallel) or self._ddp.find_unused_parameters:
+            return  # no re-bucketing then
+        grads = [(p, p.grad) for p in self.module.parameters()]
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        device = env.world().device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _mode(self.module, True), \
+                torch.enable_grad():
+            out = self._ddp(*args, **kwargs)
+            leaves = [t for t in torch.utils._pytree.tree_leaves(out)
+                      if isinstance(t, torch.Tensor) and t.requires_grad]
+            if leaves:
+                (sum(t.sum() for t in leaves) * 0.0).backward()
+        with torch.no_grad():
+            for p, grad in grads:
+                p.grad = grad
+            for b, value in buffers:
+                b.copy_(value)
+
     def _new_engine(self, cap: CapturedGraph, stage_of_unit: list[int]) -> Engine:
         engine = Engine(cap, stage_of_unit, self._place, self._grads, self._anchor)
         check_ownership(engine.graphs, self._stage_params)
@@ -371,9 +411,14 @@ class ParallelModule(nn.Module):
         owner = {i: self._owner_of_param(p) for i, p in enumerate(self._optimizer_params())}
         return gather_optimizer_state(state_dict, owner, env.get_rank())
 
+    def _local_parameter_ids(self) -> set[int]:
+        """ids of the parameters this rank trains (read by its stages); empty before the first call."""
+        if self._plan is None:
+            return set()
+        return {id(self._parameter[f]) for s in self._plan.stages_of(env.get_rank()) for f in self._stage_params[s]}
+
     def _keep_local_optimizer_state(self, optimizer) -> None:
-        rank = env.get_rank()
-        local = {id(self._parameter[f]) for s in self._plan.stages_of(rank) for f in self._stage_params[s]}
+        local = self._local_parameter_ids()
         for p in list(optimizer.state):
             if id(p) not in local:
                 del optimizer.state[p]

@@ -22,3 +22,7 @@ class BatchError(PartitaError):
 
 class LaunchError(PartitaError):
     """Processes could not be started or could not find each other."""
+
+
+class CheckpointError(PartitaError):
+    """A checkpoint could not be written, found, trusted or applied to this model."""

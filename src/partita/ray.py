@@ -37,12 +37,14 @@ from partita.errors import LaunchError
 
 def run(train_fn, workers: int, *, address: str | None = None, config: dict | None = None,
         cpus_per_worker: float | None = None, use_gpu: bool = False, storage_path: str | None = None,
-        connect_timeout_s: float = 10.0):
+        connect_timeout_s: float = 10.0, max_failures: int = 0):
     """Run `train_fn(config)` (or `train_fn()` when config is None) in `workers` Ray Train workers.
 
     address: a running cluster ("HOST:6379", "ray://HOST:10001" or "auto"); None starts a local one for
-    this call. cpus_per_worker: default 1, or the cluster's CPUs shared by the workers when fewer. Returns
-    Ray's `Result`; a failed worker raises Ray's `TrainingFailedError` with the worker's error.
+    this call. cpus_per_worker: default 1, or the cluster's CPUs shared by the workers when fewer.
+    max_failures: how often Ray Train restarts every worker after one failed (or stopped to be resumed);
+    a `train_fn` that uses `partita.elastic` continues from its latest checkpoint. Returns Ray's `Result`;
+    a worker that fails once more raises Ray's `TrainingFailedError` with the worker's error.
     """
     try:
         import ray
@@ -52,14 +54,14 @@ def run(train_fn, workers: int, *, address: str | None = None, config: dict | No
     if connected_here:
         _connect(ray, address, connect_timeout_s)
     try:
-        return _fit(ray, train_fn, workers, config, cpus_per_worker, use_gpu, storage_path)
+        return _fit(ray, train_fn, workers, config, cpus_per_worker, use_gpu, storage_path, max_failures)
     finally:
         if connected_here:  # a cluster that this call started stops with it; a remote one only loses this driver
             ray.shutdown()
 
 
-def _fit(ray, train_fn, workers, config, cpus_per_worker, use_gpu, storage_path):
-    from ray.train import RunConfig, ScalingConfig
+def _fit(ray, train_fn, workers, config, cpus_per_worker, use_gpu, storage_path, max_failures):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from partita.launch.env import timeout
@@ -72,7 +74,8 @@ def _fit(ray, train_fn, workers, config, cpus_per_worker, use_gpu, storage_path)
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus}),
         torch_config=TorchConfig(timeout_s=int(timeout().total_seconds())),
         # a name of its own: Ray resumes the checkpoint of a run whose name it has seen
-        run_config=RunConfig(name=f"partita-{uuid.uuid4().hex[:8]}", storage_path=storage_path),
+        run_config=RunConfig(name=f"partita-{uuid.uuid4().hex[:8]}", storage_path=storage_path,
+                             failure_config=FailureConfig(max_failures=max_failures)),
     )
     return trainer.fit()
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from launch.reference import reference_losses
+from launch.train_script import STEPS
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 PYTHON = sys.executable
 SCRIPT = str(HERE / "train_script.py")
-STEPS = 3
 CACHE_DIR = tempfile.mkdtemp(prefix="partita-launch-cache-")  # block costs measured by the session's first job
 atexit.register(shutil.rmtree, CACHE_DIR, True)
 
@@ -31,11 +31,32 @@ def env(**extra) -> dict:
     return e
 
 
-def check(out: Path, world: int) -> None:
-    """The job trained 2 stages x 2 replicas and its losses are one process's on the same global batches."""
-    result = json.loads(out.read_text())
-    assert result["world"] == world and len(result["plan"]["stages"]) == 2
-    assert result["losses"] == pytest.approx(reference_losses(world, STEPS), rel=1e-5)
+def losses(run_dir: Path) -> list[dict]:
+    """The lines rank 0 wrote, one per step it finished, in order (over every attempt)."""
+    return [json.loads(line) for line in (run_dir / "losses.jsonl").read_text().splitlines()]
+
+
+def by_step(rows: list[dict]) -> dict[int, float]:
+    """The loss of each step; a step computed twice (after a restart) must have given the same loss."""
+    out: dict[int, float] = {}
+    for r in rows:
+        assert out.setdefault(r["step"], r["loss"]) == r["loss"], f"step {r['step']} computed twice, differently"
+    return out
+
+
+def check(run_dir: Path, world: int, steps: int = STEPS, stages: int = 2) -> None:
+    """The job trained `stages` stages on `world` ranks, every step once or repeated exactly, and its losses are
+    one process's on the same global batches."""
+    plan = json.loads((run_dir / f"plan-{world}.json").read_text())
+    assert (plan["world_size"], len(plan["stages"])) == (world, stages)
+    got = by_step(losses(run_dir))
+    assert sorted(got) == list(range(steps))
+    assert [got[s] for s in range(steps)] == pytest.approx(reference_losses(steps), rel=1e-5)
+
+
+def rank0_logs(log_dir: Path) -> str:
+    """What rank 0 wrote to stderr under `partita run --log-dir log_dir`, over every run and attempt."""
+    return "".join(p.read_text() for p in sorted(log_dir.glob("*/attempt_*/0/stderr.log")))
 
 
 def output(proc) -> str:

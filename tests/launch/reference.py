@@ -1,16 +1,16 @@
-"""Single-process losses of train_script.py on the same global batches."""
+"""One process's losses for train_script.py: what every launched job must reproduce."""
 
 import torch
 
-from launch.train_script import global_batch, make_model
+from launch.train_script import global_batch, make_model, make_optimizer
 
 
-def reference_losses(world: int, steps: int) -> list[float]:
+def reference_losses(steps: int) -> list[float]:
     model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = make_optimizer(model)
     out = []
     for step in range(steps):
-        x, y = global_batch(step, world)
+        x, y = global_batch(step)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()

@@ -17,12 +17,11 @@ MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np"]
 
 def test_mpirun(tmp_path):
     pytest.importorskip("mpi4py", reason="pip install mpi4py: rank 0 broadcasts the rendezvous address with it")
-    out = tmp_path / "out.json"
-    proc = subprocess.run([*MPIRUN, "4", PYTHON, SCRIPT, str(out)], capture_output=True, text=True, env=env(),
+    proc = subprocess.run([*MPIRUN, "4", PYTHON, SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env(),
                           timeout=240)
     assert proc.returncode == 0, output(proc)
     assert "launched by mpirun (address broadcast with mpi4py): 4 ranks = 1 node x 4 ranks per node" in proc.stderr
-    check(out, 4)
+    check(tmp_path, 4)
 
 
 def test_mpirun_without_mpi4py_meets_at_a_port_from_the_job_id(tmp_path):

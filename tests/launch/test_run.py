@@ -1,33 +1,45 @@
-"""`partita run` and plain `torchrun` start real processes that train like one process."""
+"""`partita run` and plain `torchrun` start real processes that train like one process; a rank that dies ends
+the job within seconds, and the job names it."""
 
 import subprocess
+import time
 
 import pytest
 
-from launch.harness import BIN, SCRIPT, check, env, output
+from launch.daemons import end, free_port
+from launch.harness import BIN, PYTHON, SCRIPT, check, env, output, rank0_logs
+
+pytestmark = pytest.mark.slow
+
+# rank 1 SIGKILLs itself in its fourth step and writes the time of the kill to the file named by its argument
+DIES = """
+import os, signal, sys, time
+import torch, torch.distributed as dist
+import partita
+partita.init()
+for step in range(1000):
+    if partita.get_rank() == 1 and step == 3:
+        open(sys.argv[1], "w").write(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))
+    time.sleep(0.05)
+"""
 
 
-@pytest.mark.slow
-def test_partita_run(tmp_path):
-    out = tmp_path / "out.json"
-    proc = subprocess.run([str(BIN / "partita"), "run", "-n", "4", "--log-dir", str(tmp_path / "logs"), SCRIPT,
-                           str(out)], capture_output=True, text=True, env=env(), timeout=240)
-    assert proc.returncode == 0, output(proc)
-    assert "rank 3: " in proc.stdout and str(tmp_path / "logs") in proc.stdout  # where each rank's log goes
-    assert "launched by torchrun: 4 ranks = 1 node x 4 ranks per node" in proc.stdout + proc.stderr  # rank 0 says
-    check(out, 4)
+def test_partita_run(reference_run):
+    run, proc = reference_run["dir"], reference_run["proc"]
+    assert "rank 3: " in proc.stdout and str(run / "logs") in proc.stdout  # where each rank's log goes
+    assert "launched by torchrun: 4 ranks = 1 node x 4 ranks per node" in rank0_logs(run / "logs")
+    check(run, 4)
 
 
-@pytest.mark.slow
 def test_torchrun(tmp_path):
-    out = tmp_path / "out.json"
-    proc = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "4", SCRIPT, str(out)],
+    proc = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "4", SCRIPT, str(tmp_path)],
                           capture_output=True, text=True, env=env(), timeout=240)
     assert proc.returncode == 0, output(proc)
-    check(out, 4)
+    check(tmp_path, 4)
 
 
-@pytest.mark.slow
 def test_partita_run_returns_the_failing_exit_status(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import partita, sys\npartita.init()\nsys.exit(7 if partita.get_rank() == 1 else 0)\n")
@@ -35,3 +47,32 @@ def test_partita_run_returns_the_failing_exit_status(tmp_path):
                           capture_output=True, text=True, env=env(), timeout=120)
     assert proc.returncode == 7
     assert "rank 1 failed with exit code 7" in proc.stderr
+
+
+def test_a_killed_rank_without_restarts_ends_the_job_and_is_named(tmp_path):
+    script, killed = tmp_path / "dies.py", tmp_path / "killed"
+    script.write_text(DIES)
+    proc = subprocess.run([str(BIN / "partita"), "run", "-n", "2", "--quiet", "--log-dir", str(tmp_path / "logs"),
+                           str(script), str(killed)], capture_output=True, text=True, env=env(), timeout=120)
+    seconds = time.time() - float(killed.read_text())
+    assert proc.returncode == 128 + 9, output(proc)
+    assert "partita run: rank 1 was killed by SIGKILL" in proc.stderr, output(proc)
+    assert seconds < 15, output(proc)
+
+
+def test_ranks_started_by_hand_name_the_rank_that_died(tmp_path):
+    script, killed = tmp_path / "dies.py", tmp_path / "killed"
+    script.write_text(DIES)
+    address = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([PYTHON, str(script), str(killed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env(RANK=str(rank), WORLD_SIZE="2", **address)) for rank in range(2)]
+    try:
+        ranks = [subprocess.CompletedProcess(p.args, p.wait(timeout=120), *p.communicate()) for p in procs]
+        seconds = time.time() - float(killed.read_text())
+    finally:
+        end([p.pid for p in procs if p.poll() is None])
+    assert ranks[1].returncode == -9
+    assert ranks[0].returncode == 1
+    assert f"LaunchError: rank 1 (process {procs[1].pid}) ended, so a collective of rank 0 failed" in ranks[0].stderr, \
+        output(ranks[0])
+    assert seconds < 15

@@ -1,16 +1,30 @@
-"""A training script as a user would write it: 2 stages, data from each rank's own slice, losses to a file.
+"""A training script as a user writes it (`partita.parallelize` + `partita.elastic`); every launcher test runs it.
 
-Usage: <launcher> train_script.py OUT.json [STEPS]. The test compares the losses with one process's.
+    <launcher> train_script.py RUN_DIR [--steps N] [--stages S | --auto-plan] [--plan PLAN.json]
+                                       [--die-at STEP --die-rank R] [--stop-after STEP] [--step-sleep S]
+
+It trains 2 stages x (world / 2) replicas (one stage in one process) unless told otherwise, with Adam, on a
+fixed global batch per step whatever the world size, so every run computes one process's losses. Checkpoints go
+to RUN_DIR/ckpt every 2 steps. Rank 0 appends one JSON line per step to RUN_DIR/losses.jsonl (step, loss, world
+size, attempt of torch's agent, run of a requeued Slurm job, time) and, at the end, writes the final parameters to RUN_DIR/final.pt and the plan to
+RUN_DIR/plan-<world>.json.
+
+--die-at: rank R kills itself with SIGKILL at that step, once (it leaves RUN_DIR/died with the time of death).
+--stop-after: rank 0 sends itself SIGUSR1 after finishing that step (a stop request mid-run).
 """
 
+import argparse
 import json
-import sys
+import os
+import signal
+import time
+from pathlib import Path
 
 import torch
 
 import partita
 
-LOCAL_BATCH, HIDDEN, LAYERS = 8, 32, 6
+GLOBAL_BATCH, HIDDEN, LAYERS, STEPS = 16, 32, 6, 6
 
 
 def make_model():
@@ -19,31 +33,61 @@ def make_model():
                                  for _ in range(LAYERS)])
 
 
-def global_batch(step: int, world: int):
-    g = torch.Generator().manual_seed(step)
-    return torch.randn(world * LOCAL_BATCH, HIDDEN, generator=g), torch.randn(world * LOCAL_BATCH, HIDDEN, generator=g)
+def make_optimizer(model):
+    return torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
-def main(out: str, steps: int) -> None:
+def global_batch(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, HIDDEN, generator=g), torch.randn(GLOBAL_BATCH, HIDDEN, generator=g)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run_dir")
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--plan")
+    ap.add_argument("--die-at", type=int)
+    ap.add_argument("--die-rank", type=int, default=1)
+    ap.add_argument("--stop-after", type=int)
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to wait in each step (a slower job)")
+    ap.add_argument("--stages", type=int, help="stages (default: 2, or 1 in one process)")
+    ap.add_argument("--auto-plan", action="store_true", help="let the planner choose the layout")
+    args = ap.parse_args()
+    run = Path(args.run_dir)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # restarts by torch's elastic agent
+    requeue = int(os.environ.get("SLURM_RESTART_COUNT", "0"))  # runs of a requeued Slurm job
+
     partita.init()
     rank, world = partita.get_rank(), partita.get_world_size()
     model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model = partita.parallelize(model, opt, loss_fn=torch.nn.MSELoss(), stages=2 if world > 1 else 1)
-    losses = []
-    for step in range(steps):
-        x, y = global_batch(step, world)
-        rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    opt = make_optimizer(model)
+    stages = None if args.auto_plan or args.plan else args.stages or (2 if world > 1 else 1)
+    model = partita.parallelize(model, opt, loss_fn=torch.nn.MSELoss(), plan=args.plan, stages=stages)
+    job = partita.elastic(model, opt, run / "ckpt", global_batch=GLOBAL_BATCH, save_every=2)
+    (run / f"pid-{rank}").write_text(str(os.getpid()))
+    for step in job.steps(args.steps):
+        if args.die_at == step and rank == args.die_rank and not (run / "died").exists():
+            (run / "died").write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(args.step_sleep)
+        x, y = global_batch(step)
         opt.zero_grad()
-        loss = model(x[rows], y[rows])
+        loss = model(x[job.rows], y[job.rows])
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        if rank == 0:
+            with open(run / "losses.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "loss": loss.item(), "world": world, "attempt": attempt, "requeue": requeue,
+                                    "time": time.time()}) + "\n")
+            if args.stop_after == step:
+                os.kill(os.getpid(), signal.SIGUSR1)
+    state = model.state_dict()
     if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"losses": losses, "world": world, "plan": model.plan.to_dict()}, f)
+        torch.save(state, run / "final.pt")
+        model.plan.save(run / f"plan-{world}.json")
     partita.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3)
+    main()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from partita.cli import plan, ray, run, slurm
+from partita.cli import export, plan, ray, run, slurm
 from partita.errors import PartitaError
 
-COMMANDS = [run, plan, slurm, ray]
+COMMANDS = [run, plan, slurm, ray, export]
 
 
 def main(argv: list[str] | None = None) -> int:

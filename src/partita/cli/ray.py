@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--gpus", action="store_true", help="one GPU per worker")
     p.add_argument("--storage-path", help="where Ray keeps the run's results (default ~/ray_results)")
     p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for --address to answer")
+    p.add_argument("--max-failures", type=int, default=0,
+                   help="restarts of every worker after one failed; partita.elastic resumes from its checkpoint")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=run)
@@ -33,7 +35,7 @@ def run(args) -> int:
     try:
         partita.ray.run(partita.ray.script_fn(args.script, args.args), args.workers, address=args.address,
                         cpus_per_worker=args.cpus_per_worker, use_gpu=args.gpus, storage_path=args.storage_path,
-                        connect_timeout_s=args.connect_timeout)
+                        connect_timeout_s=args.connect_timeout, max_failures=args.max_failures)
     except PartitaError:
         raise
     except Exception as e:  # noqa: BLE001 - Ray's errors (a failed worker's TrainingFailedError) end the command

@@ -1,17 +1,21 @@
 """`partita run -n N script.py args...`: start N local processes with torch's elastic agent (torchrun's code).
 
 Each rank's output goes to a file (paths printed at start) and to the console, prefixed by its rank. The
-command's exit status is the job's: 0, or the exit code of the first rank that failed.
+command's exit status is the job's: 0, or the exit code of the first rank that failed (128 + the signal's number
+for a rank that a signal killed, as a shell reports it). With --max-restarts N, a rank that fails restarts all
+ranks, up to N times: each restart is a new attempt, whose ranks join afresh and resume from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import uuid
 
 from partita.errors import LaunchError
+from partita.morph.stop import RESUME_EXIT_CODE
 
 
 def add_parser(sub) -> None:
@@ -22,6 +26,12 @@ def add_parser(sub) -> None:
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (multi-node); default: local")
     p.add_argument("--rdzv-id", default="", help="job id shared by all nodes (multi-node)")
     p.add_argument("--max-restarts", type=int, default=0, help="restarts of the whole job after a failure")
+    p.add_argument("--last-call", type=int, default=5, metavar="S",
+                   help="with --nnodes MIN:MAX, seconds to wait for more nodes once MIN joined, at the start and at "
+                        "each restart (default 5; torchrun waits 30)")
+    p.add_argument("--stop-timeout", type=int, default=60, metavar="S",
+                   help="seconds the ranks get to save and exit after this command receives SIGTERM, before they "
+                        "are killed (default 60)")
     p.add_argument("--log-dir", default="partita-logs", help="where each rank's stdout/stderr files go")
     p.add_argument("--quiet", action="store_true", help="only files, no rank output on the console")
     p.add_argument("script", help="the training script")
@@ -42,7 +52,7 @@ def _nodes(text: str) -> tuple[int, int]:
 
 def run(args) -> int:
     # torch's launcher modules are imported here, so that `partita --help` stays fast
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
@@ -53,38 +63,86 @@ def run(args) -> int:
         print("partita run: -n must be at least 1", file=sys.stderr)
         return 2
     low, high = _nodes(args.nnodes)
+    standalone = not args.rdzv_endpoint
+    if standalone and low > 1:
+        print(f"partita run: --nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT and --rdzv-id on every node: "
+              "without them no other node finds this one, and the job would wait for them.", file=sys.stderr)
+        return 2
     cores = os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.nproc)))
 
     class PrintedLogs(DefaultLogsSpecs):
-        """torch's log layout, announced on the console when each attempt starts."""
+        """torch's log layout, announced on the console when each attempt starts. The attempts are counted here:
+        torch names their folders by its restart count, which stays the same when the agent restarts the ranks
+        because another node joined or left, and would then delete the logs of the attempt before."""
 
         last = None
+        attempts = 0
 
         def reify(self, envs):
-            dest = PrintedLogs.last = super().reify(envs)
-            restart = next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0")
-            print(f"partita run: attempt {restart}, logs of each rank:", flush=True)
+            attempt = str(PrintedLogs.attempts)
+            PrintedLogs.attempts += 1
+            dest = PrintedLogs.last = super().reify(
+                {rank: {**env, "TORCHELASTIC_RESTART_COUNT": attempt} for rank, env in envs.items()})
+            print(f"partita run: attempt {attempt}, logs of each rank:", flush=True)
             for local_rank in sorted(dest.stdouts):
                 rank = envs[local_rank].get("RANK", local_rank)
                 print(f"  rank {rank}: {dest.stdouts[local_rank]} (stderr: {dest.stderrs[local_rank]})", flush=True)
             return dest
 
-    standalone = not args.rdzv_endpoint
     config = LaunchConfig(
         min_nodes=low, max_nodes=high, nproc_per_node=args.nproc,
         run_id=args.rdzv_id or str(uuid.uuid4()), role="rank",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0" if standalone else args.rdzv_endpoint,
-        rdzv_configs={"is_host": True} if standalone else {},
-        max_restarts=args.max_restarts, monitor_interval=0.1, start_method="spawn",
+        rdzv_configs={"last_call_timeout": args.last_call, **({"is_host": True} if standalone else {})},
+        max_restarts=args.max_restarts, monitor_interval=0.1, start_method="spawn", shutdown_timeout=args.stop_timeout,
         logs_specs=PrintedLogs(log_dir=args.log_dir, redirects=Std.ALL, tee=Std.NONE if args.quiet else Std.ALL),
     )
+    resume_file = _resume_file(args.log_dir)
     try:
         launch_agent(config, sys.executable, ["-u", args.script, *args.args])
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+    except (ChildFailedError, SignalException) as e:
+        if os.path.exists(resume_file):
+            with open(resume_file) as f:
+                saved = f.read()
+            print(f"partita run: the ranks saved {saved} and stopped to be resumed; run the same command again to "
+                  f"continue (exit status {RESUME_EXIT_CODE})", file=sys.stderr)
+            return RESUME_EXIT_CODE
+        if isinstance(e, SignalException):
+            print(f"partita run: stopped by {e.sigval.name}; the ranks were stopped too", file=sys.stderr)
+            return 128 + e.sigval
+        rank, failure = _first_failure(e.failures)
         logs = PrintedLogs.last.stderrs.get(failure.local_rank, args.log_dir) if PrintedLogs.last else args.log_dir
-        print(f"partita run: rank {rank} failed with exit code {failure.exitcode}; its log: {logs}", file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 1
+        spent = f" (no restart left of --max-restarts {args.max_restarts})" if args.max_restarts else ""
+        print(f"partita run: rank {rank} {_how(failure.exitcode)}{spent}; its log: {logs}", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     print(f"partita run: all {args.nproc} ranks finished", flush=True)
     return 0
+
+
+def _resume_file(log_dir: str) -> str:
+    """Where `partita.elastic` in the ranks notes that it saved a checkpoint and stopped to be resumed: the
+    launcher's own (a `partita slurm` batch script's), or a fresh one of this command."""
+    if "PARTITA_RESUME_FILE" not in os.environ:
+        os.makedirs(log_dir, exist_ok=True)
+        os.environ["PARTITA_RESUME_FILE"] = os.path.join(os.path.abspath(log_dir), f"resume-{uuid.uuid4().hex}")
+    return os.environ["PARTITA_RESUME_FILE"]
+
+
+def _first_failure(failures: dict) -> tuple:
+    """The rank that failed first. torch stamps failures in whole seconds, and the ranks that a dead rank takes
+    down, or that the agent stops with SIGTERM, often share its second: among those, a rank that exited by itself
+    or died of another signal comes first."""
+    def order(item):
+        code = item[1].exitcode
+        return item[1].timestamp, code == -signal.SIGTERM, code > 0
+    return min(failures.items(), key=order)
+
+
+def _how(exitcode: int) -> str:
+    if exitcode >= 0:
+        return f"failed with exit code {exitcode}"
+    try:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"was killed by signal {-exitcode}"

@@ -2,7 +2,8 @@
 
 The script needs no node list and no master address: srun starts every rank and partita finds the others
 (or, with --launcher torchrun, srun starts one torch elastic agent per node). It asks Slurm to warn it before
-the time limit. partita checks with Slurm that the job can run at all before it submits it, then prints the
+the time limit, and puts itself back in the queue when training saved a checkpoint to resume from
+(partita.elastic). partita checks with Slurm that the job can run at all before it submits it, then prints the
 job id; --wait polls the job until it ends and exits with its status; --dry-run only prints the script.
 """
 
@@ -29,6 +30,9 @@ def add_parser(sub) -> None:
                    help="srun: srun starts every rank (default); torchrun: one torch elastic agent per node")
     p.add_argument("--job-name", default="partita", help="Slurm job name (default partita)")
     p.add_argument("--log-dir", default="partita-logs", help="where the script and the job's output go")
+    p.add_argument("--no-requeue", dest="requeue", action="store_false",
+                   help="end the job when training stops before the time limit; by default a job whose training "
+                        "saved a checkpoint to resume from (partita.elastic) goes back in the queue")
     p.add_argument("--dry-run", action="store_true", help="print the batch script, submit nothing")
     p.add_argument("--wait", action="store_true", help="wait for the job to end; exit with its status")
     p.add_argument("script", help="the training script")
@@ -42,6 +46,7 @@ def run(args) -> int:
         script=os.path.abspath(args.script), args=tuple(args.args), workdir=os.getcwd(), log_dir=log_dir,
         python=sys.executable, nodes=args.nodes, ranks_per_node=args.ranks_per_node, partition=args.partition,
         time=args.time, gpus_per_node=args.gpus_per_node, launcher=args.launcher, job_name=args.job_name,
+        requeue=args.requeue,
     )
     text = sbatch.render(job, shlex.join(["partita", *sys.argv[1:]]))
     if args.dry_run:

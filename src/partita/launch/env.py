@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from partita.errors import LaunchError
-from partita.launch import mpi, ray_worker, rendezvous, slurm, torchrun
+from partita.launch import mpi, peers, ray_worker, rendezvous, slurm, torchrun
 from partita.launch.placement import Join, Placement
 
 log = logging.getLogger("partita")
@@ -80,17 +80,21 @@ def _join(me: Placement, backend: str, device: torch.device) -> None:
     if me.join is Join.ADOPT:
         raise LaunchError(f"{me.launcher} should have created the process group before the training function "
                           "started, but there is none; call partita.init() inside the function that it runs.")
-    store = None
     if me.join is Join.STORE:
-        store = dist.PrefixStore("partita/group", rendezvous.join(me, timeout()))
+        store = dist.PrefixStore("partita", rendezvous.join(me, timeout()))
+    else:
+        store = rendezvous.join_agent(me, timeout())
+    peers.register(store, me.rank)
     try:
-        dist.init_process_group(backend, store=store, rank=me.rank, world_size=me.world_size, timeout=timeout(),
+        dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=me.rank,
+                                world_size=me.world_size, timeout=timeout(),
                                 device_id=device if backend == "nccl" else None)
     except Exception as e:  # noqa: BLE001 - re-raised with the cause attached
         raise LaunchError(
             f"rank {me.rank} of {me.world_size} could not join the process group of its {me.launcher} job ({e}). "
             "Check that every rank was started with the same world size and can reach the others."
         ) from e
+    peers.watch(store, me.rank, server=0 if me.join is Join.STORE else None)  # else torchrun's agent serves it
 
 
 def log_to_stderr() -> None:

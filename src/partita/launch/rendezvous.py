@@ -5,20 +5,27 @@ world size. If two processes were started with different world sizes, torch's re
 will never come until the process-group timeout, then fails with a gloo error that does not say why. Here each
 rank states its world size in the store first: the first statement stands, and a rank that states another one
 stops at once with a message naming both, which every rank then reports.
+
+Under torchrun's elastic agent (`partita run`), the agent serves the store and keeps it for the whole job: `join_agent`
+gives each start of the workers its own part of it, so that a restart after a dead rank never reads the dead
+workers' keys.
 """
 
 from __future__ import annotations
 
 import socket
 import time
+import uuid
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed import DistStoreError
 
 from partita.errors import LaunchError
 from partita.launch.placement import Address, Placement
 
 _KEY = "partita/rendezvous/"
+_SESSION = "partita/session/"
 _POLL_S = 0.05
 
 
@@ -62,12 +69,15 @@ def _agree(store: dist.Store, me: Placement, address: Address, timeout: timedelt
             _stop(store, me, "")
         if time.monotonic() > deadline:
             missing = [r for r in range(me.world_size) if not store.check([_KEY + f"rank/{r}"])]
-            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
             _stop(store, me, f"only {arrived} of {me.world_size} ranks reached the rendezvous at {address} within "
-                             f"{timeout.total_seconds():.0f} s (PARTITA_TIMEOUT_S); missing ranks: {shown}. Check that "
-                             f"{me.world_size} processes were started, all with the same world size, and that they "
-                             f"reach {address}.")
+                             f"{timeout.total_seconds():.0f} s (PARTITA_TIMEOUT_S); missing ranks: {_listed(missing)}. "
+                             f"Check that {me.world_size} processes were started, all with the same world size, and "
+                             f"that they reach {address}.")
         time.sleep(_POLL_S)
+
+
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:10])) + (" ..." if len(ranks) > 10 else "")
 
 
 def _stop(store: dist.Store, me: Placement, problem: str) -> None:
@@ -77,3 +87,61 @@ def _stop(store: dist.Store, me: Placement, problem: str) -> None:
         # rank 0 serves the store: stay long enough for the others to read the message before the store goes
         time.sleep(20 * _POLL_S)
     raise LaunchError(message)
+
+
+def join_agent(me: Placement, timeout: timedelta) -> dist.Store:
+    """Join the store of torchrun's agent at `me.address`; return the part of it that is new to this start of the job.
+
+    The agent makes its store in its first rendezvous round only and starts the workers of every restart on it
+    (torch 2.13: torch/distributed/elastic/rendezvous/dynamic_rendezvous.py, `next_rendezvous`), while
+    `init_process_group` under the agent adds no prefix per attempt (torch/distributed/rendezvous.py,
+    `_create_c10d_store`). Gloo of the restarted workers then reads the dead workers' addresses and fails or hangs.
+    TORCHELASTIC_RESTART_COUNT cannot tell the starts apart: each agent counts its own restarts, so nodes disagree.
+    """
+    try:
+        store = dist.TCPStore(me.address.host, me.address.port, is_master=False, timeout=timeout)
+    except RuntimeError as e:
+        raise LaunchError(f"rank {me.rank} of {me.world_size} could not reach the store of torchrun's agent at "
+                          f"{me.address} ({e}). Check that the agent still runs; its output says why.") from e
+    try:
+        name = _serve_session(store, me, timeout) if me.rank == 0 else _ask_session(store, me, timeout)
+    except DistStoreError as e:
+        raise LaunchError(f"rank {me.rank} lost the store of torchrun's agent at {me.address} ({e}): the agent "
+                          "probably stopped; its output says why.") from e
+    return dist.PrefixStore(f"partita/{name}", store)
+
+
+def _ask_session(store: dist.Store, me: Placement, timeout: timedelta) -> str:
+    """Ask rank 0 for the name of this start under a nonce of our own: an answer to it cannot be an old one."""
+    nonce = uuid.uuid4().hex
+    store.append(_SESSION + "asks", nonce + ",")
+    answer = _SESSION + "answer/" + nonce
+    try:
+        store.wait([answer], timeout)
+    except DistStoreError as e:
+        raise LaunchError(f"rank {me.rank} got no answer from rank 0 within {timeout.total_seconds():.0f} s "
+                          f"(PARTITA_TIMEOUT_S) at the store of torchrun's agent at {me.address}: rank 0 probably "
+                          "stopped; its output says why.") from e
+    name = store.get(answer).decode()
+    store.set(f"{_SESSION}{name}/rank/{me.rank}", "")
+    store.add(f"{_SESSION}{name}/joined", 1)
+    return name
+
+
+def _serve_session(store: dist.Store, me: Placement, timeout: timedelta) -> str:
+    """Draw a new name and answer every rank's ask until all ranks confirmed it. Asks left by the workers of an
+    earlier start get the answer too, which nobody reads: rank 0 cannot tell them from the new ones."""
+    name, answered = uuid.uuid4().hex, set()
+    deadline = time.monotonic() + timeout.total_seconds()
+    while (joined := store.add(f"{_SESSION}{name}/joined", 0)) < me.world_size - 1:
+        asks = set(store.get(_SESSION + "asks").decode().split(",")[:-1]) if store.check([_SESSION + "asks"]) else set()
+        if new := sorted(asks - answered):
+            store.multi_set([_SESSION + "answer/" + nonce for nonce in new], [name] * len(new))
+            answered.update(new)
+        if time.monotonic() > deadline:
+            missing = [r for r in range(1, me.world_size) if not store.check([f"{_SESSION}{name}/rank/{r}"])]
+            raise LaunchError(f"only {joined + 1} of {me.world_size} ranks of this torchrun job reached rank 0 within "
+                              f"{timeout.total_seconds():.0f} s (PARTITA_TIMEOUT_S); missing ranks: "
+                              f"{_listed(missing)}. Their output says why.")
+        time.sleep(_POLL_S)
+    return name

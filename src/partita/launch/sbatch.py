@@ -44,6 +44,7 @@ class SlurmJob:
     launcher: str = "srun"  # one of LAUNCHERS
     job_name: str = "partita"
     warn_before_end_s: int = 120  # Slurm signals the batch script this long before the time limit
+    requeue: bool = True  # training that stopped to be resumed (partita.elastic) puts the job back in the queue
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.ranks_per_node < 1 or self.gpus_per_node < 0:
@@ -68,6 +69,7 @@ def _directives(job: SlurmJob) -> list[str]:
     lines += [f"--time={job.time}"] if job.time else []
     lines += [f"--gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []
     lines += [f"--output={job.output}", f"--chdir={job.workdir}"]
+    lines += ["--requeue", "--open-mode=append"] if job.requeue else []
     return [f"#SBATCH {line}" for line in lines]
 
 
@@ -92,7 +94,8 @@ def _launch(job: SlurmJob) -> list[str]:
         *_comment(f"srun starts one torch elastic agent per node (`partita run`), each starting {job.ranks_per_node} "
                   "ranks; the agents meet at the first node of the allocation (c10d rendezvous)."),
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "rendezvous_port=$((20000 + SLURM_JOB_ID % 10000))",
+        "rendezvous_port=$((20000 + (SLURM_JOB_ID + 997 * ${SLURM_RESTART_COUNT:-0}) % 10000))  # a requeued job: "
+        "another port",
         f"launch=(srun --kill-on-bad-exit=1 {python} -m partita.cli.main run -n {job.ranks_per_node} "
         f"--nnodes {job.nodes}",
         '        --rdzv-endpoint "$head_node:$rendezvous_port" --rdzv-id "$SLURM_JOB_ID"',
@@ -117,6 +120,9 @@ def render(job: SlurmJob, command_line: str) -> str:
         f"#SBATCH --signal=B:USR1@{warn}",
         "",
         f'export PARTITA_STOP_FILE="{job.log_dir}/{job.job_name}-$SLURM_JOB_ID.stop"',
+        *(["export PARTITA_RESUME_FILE=\"$PARTITA_STOP_FILE.resume\"",
+           *_comment("A requeued job keeps its id: the files of its previous run must not stop this one."),
+           'rm -f "$PARTITA_STOP_FILE" "$PARTITA_RESUME_FILE"'] if job.requeue else []),
         "trap 'echo \"partita: the time limit is near: wrote $PARTITA_STOP_FILE\"; touch \"$PARTITA_STOP_FILE\"' USR1",
         "",
         *_launch(job),
@@ -129,9 +135,27 @@ def render(job: SlurmJob, command_line: str) -> str:
         '  wait "$srun_pid"; status=$?',
         '  kill -0 "$srun_pid" 2>/dev/null || break',
         "done",
+        *_requeue(job),
         'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def _requeue(job: SlurmJob) -> list[str]:
+    """Lines that put the job back in the queue when training stopped to be resumed, with why."""
+    if not job.requeue:
+        return []
+    return [
+        "",
+        *_comment("Training that uses partita.elastic saves a checkpoint when it sees the stop file, writes "
+                  "PARTITA_RESUME_FILE and stops. Then the job goes back in the queue (same job id, "
+                  "SLURM_RESTART_COUNT + 1) and resumes from that checkpoint. Without it, the job just ends."),
+        'if [ -e "$PARTITA_RESUME_FILE" ]; then',
+        '  echo "partita: training saved a checkpoint to resume from ($(cat "$PARTITA_RESUME_FILE")): requeueing job '
+        '$SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID" && exit 0',
+        "fi",
+    ]
 
 
 def _slurm(*command: str, script: str | None = None) -> subprocess.CompletedProcess:

@@ -27,7 +27,10 @@ def detect(environ: dict) -> Placement | None:
     job = f"{environ.get('SLURM_JOB_ID', '0')}.{environ['SLURM_STEP_ID']}"
     # MASTER_ADDR/MASTER_PORT, when set, win: sbatch passes the submitting shell's variables on to every task
     host = environ.get("MASTER_ADDR") or first_host(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"])
-    port = integer(environ, "MASTER_PORT") if "MASTER_PORT" in environ else job_port(job)
+    # a requeued job keeps its id and starts again at step 0: its restart count keeps it off the port its
+    # previous run may still hold
+    restart = environ.get("SLURM_RESTART_COUNT", "0")
+    port = integer(environ, "MASTER_PORT") if "MASTER_PORT" in environ else job_port(f"{job}.{restart}")
     return Placement("srun", integer(environ, "SLURM_PROCID"), world_size, integer(environ, "SLURM_LOCALID"),
                      per_node[integer(environ, "SLURM_NODEID")], len(per_node), Join.STORE, Address(host, port),
                      detail=f"Slurm job {job.replace('.', ' step ')}")

@@ -21,7 +21,14 @@ def detect(environ: dict) -> Placement | None:
     # torchrun's agent on each node (GROUP_WORLD_SIZE of them) serves or joins the store itself
     if elastic and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return Placement("torchrun", rank, world_size, local_rank, local_world_size,
-                         integer(environ, "GROUP_WORLD_SIZE") if "GROUP_WORLD_SIZE" in environ else 1, Join.AGENT)
+                         integer(environ, "GROUP_WORLD_SIZE") if "GROUP_WORLD_SIZE" in environ else 1, Join.AGENT,
+                         _master(environ, rank, world_size))
+    return Placement("torchrun" if elastic else "env", rank, world_size, local_rank, local_world_size,
+                     nodes_for(world_size, local_world_size), Join.STORE, _master(environ, rank, world_size))
+
+
+def _master(environ: dict, rank: int, world_size: int) -> Address:
+    """The store's address: torchrun's agent serves it there, or rank 0 does (agent store off, or set by hand)."""
     for var in ("MASTER_ADDR", "MASTER_PORT"):
         if var not in environ:
             raise LaunchError(
@@ -29,6 +36,4 @@ def detect(environ: dict) -> Placement | None:
                 "Launch with `partita run -n N script.py` or `torchrun --nproc-per-node N script.py`, "
                 "which set it for you."
             )
-    return Placement("torchrun" if elastic else "env", rank, world_size, local_rank, local_world_size,
-                     nodes_for(world_size, local_world_size), Join.STORE,
-                     Address(environ["MASTER_ADDR"], integer(environ, "MASTER_PORT")))
+    return Address(environ["MASTER_ADDR"], integer(environ, "MASTER_PORT"))

@@ -58,6 +58,14 @@ def _agreed(flag: bool) -> bool:
 
 def measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, local_world_size: int,
             memory_per_rank: int, show_progress: bool = True) -> tuple[Profile | None, Cluster | None]:
+    # measuring draws random inputs and seeds its own models: the user's random streams (just restored from a
+    # checkpoint, perhaps) must come out as they went in
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return _measure(cap, graph, local_batch, device, local_world_size, memory_per_rank, show_progress)
+
+
+def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, local_world_size: int,
+             memory_per_rank: int, show_progress: bool) -> tuple[Profile | None, Cluster | None]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     spec = device_spec(device)

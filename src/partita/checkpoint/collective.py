@@ -1,0 +1,81 @@
+"""Steps that every rank takes together, so that a problem found on one rank stops all of them at once.
+
+A rank that raised alone would leave the others waiting in the next collective until the process-group
+timeout; here each step's outcome is exchanged, and every rank raises the same CheckpointError.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, TypeVar
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from partita.errors import CheckpointError, PartitaError
+
+T = TypeVar("T")
+
+
+def _distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _describe(e: BaseException) -> str:
+    return str(e) if isinstance(e, PartitaError) else f"{type(e).__name__}: {e}"
+
+
+def _raise_for(problems: dict[int, str], what: str, cause: BaseException | None) -> None:
+    if not problems:
+        return
+    if not _distributed():
+        raise CheckpointError(f"{what}: {problems[min(problems)]}") from cause
+    by_text: dict[str, list[int]] = {}
+    for rank, text in sorted(problems.items()):
+        by_text.setdefault(text, []).append(rank)
+    detail = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {t}" for t, r in by_text.items())
+    raise CheckpointError(f"{what}: {detail}") from cause
+
+
+def together(step: Callable[[], T], what: str) -> T:
+    """Run `step` on every rank; if it failed anywhere, raise the same CheckpointError everywhere."""
+    try:
+        result, problem = step(), None
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        result, problem = None, e
+    texts: list = [None if problem is None else _describe(problem)]
+    if _distributed():
+        texts = [None] * dist.get_world_size()
+        dist.all_gather_object(texts, None if problem is None else _describe(problem))
+    _raise_for({r: t for r, t in enumerate(texts) if t is not None}, what, problem)
+    return result
+
+
+def from_rank0(step: Callable[[], T], what: str) -> T:
+    """Run `step` on rank 0 only; every rank gets its result, or raises its error."""
+    result = problem = None
+    if not _distributed() or dist.get_rank() == 0:
+        try:
+            result = step()
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            problem = e
+    message = [result, None if problem is None else _describe(problem)]
+    if _distributed():
+        dist.broadcast_object_list(message, src=0)
+    _raise_for({0: message[1]} if message[1] is not None else {}, what, problem)
+    return message[0]
+
+
+def dcp_step(step: Callable[[], T], what: str, hint: str) -> T:
+    """Run a torch.distributed.checkpoint call; its failures (which DCP already reports to every rank) become
+    one CheckpointError naming each rank's cause, with `hint` (what to do) after causes partita did not name."""
+    try:
+        with warnings.catch_warnings():
+            # DCP warns whenever it runs without a process group; partita asks for that on purpose
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return step()
+    except CheckpointException as e:
+        causes = {rank: _describe(exc) if isinstance(exc, PartitaError) else f"{_describe(exc)}. {hint}"
+                  for rank, (exc, _) in e.failures.items()}
+        _raise_for(causes, what, None)
+        raise

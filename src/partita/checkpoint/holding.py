@@ -1,0 +1,82 @@
+"""Which of a model's tensors this rank writes into a checkpoint, and which it reads back.
+
+Every rank keeps the whole model, but its copy of a tensor is current only where the rank trains it:
+
+- a partita model with a plan: the parameters of this rank's stages (every replica of a stage, and every
+  stage that reads a tied weight, holds the same value after a step, since gradients are summed over
+  exactly those ranks); buffers only on their owner (replicas take the first replica's BatchNorm
+  statistics before each call, so the others are a step behind at save time);
+- a partita model before its first call, or a plain module in a multi-process job: rank 0's copy (the first
+  call starts every rank from rank 0's weights);
+- torch's DistributedDataParallel: the same parameters on every rank, and rank 0's buffers (DDP broadcasts
+  them from rank 0 before each forward). A one-stage partita plan follows the first rule, which amounts to
+  the same.
+
+Each rank offers every tensor it holds current and DCP picks one writer per tensor among them, balancing
+bytes over ranks (`dedup_save_plans`): replicas share the writing instead of the first replica writing
+alone. Loading reads every tensor on every rank, because every rank keeps the whole model; `reads` is
+where a rank that keeps only its stages would name fewer.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from partita.plan.plan import Plan
+
+
+@dataclass(frozen=True)
+class Holding:
+    module: nn.Module  # the user's own module
+    rank: int
+    world_size: int
+    plan: Plan | None
+    writes: frozenset[str]  # state_dict names this rank's copy is current for
+    reads: frozenset[str]  # state_dict names this rank loads
+    trains: frozenset[str] | None  # parameters (canonical names) whose optimizer state lives here; None: all
+
+
+def canonical_names(module: nn.Module) -> dict[int, str]:
+    """id(parameter) -> the name optimizer state is saved under: its first name (tied weights have several)."""
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return names
+
+
+def _is_partita_model(model: nn.Module) -> bool:
+    # a partita model exists only once partita.api is imported; importing it here would cost seconds
+    api = sys.modules.get("partita.api")
+    return api is not None and isinstance(model, api.ParallelModule)
+
+
+def holding_of(model: nn.Module) -> Holding:
+    """This rank's part in a checkpoint of `model` (a partita model, a DDP module or a plain module)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    partita_model = _is_partita_model(model)
+    if partita_model:
+        module, plan = model.module, model.plan
+    elif isinstance(model, DistributedDataParallel):
+        module, plan = model.module, None
+    else:
+        module, plan = model, None
+    named = module.state_dict(keep_vars=True)
+    every = frozenset(named)
+    names = canonical_names(module)
+    if partita_model and plan is not None:
+        local = model._local_parameter_ids()
+        writes = frozenset(n for n, t in named.items() if id(t) in local or model._owner.get(n, 0) == rank)
+        trains = frozenset(names[i] for i in local)
+    elif isinstance(model, DistributedDataParallel):
+        writes = frozenset(n for n, t in named.items() if id(t) in names or rank == 0)
+        trains = None
+    else:
+        writes = every if rank == 0 else frozenset()
+        trains = None
+    return Holding(module, rank, world, plan, writes, every, trains)

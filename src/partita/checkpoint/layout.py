@@ -1,0 +1,169 @@
+"""Where checkpoints live on disk, and how a new one appears all at once or not at all.
+
+    ROOT/
+      step-000120/             a complete checkpoint: DCP's files and manifest.json
+      step-000130/
+      latest                   "step-000130": the checkpoint saved last
+      step-000140.tmp-3f9a1c/  being written, or left by a save that died: never read, removed by the next save
+
+A save writes into a temporary directory next to its target and renames it into place once every rank
+has finished (a rename within one directory is atomic), then replaces `latest` (a temporary file,
+fsync, os.replace). A save interrupted at any point leaves the previous checkpoint and `latest` as they
+were. Plain Python: no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+from partita.checkpoint.manifest import MANIFEST, Manifest, read_manifest
+from partita.errors import CheckpointError
+
+LATEST = "latest"
+TMP_MARK = ".tmp-"
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def temporary_dir(root: Path, step: int) -> Path:
+    # secrets, not random: saving must leave the user's random streams where they were
+    return root / f"{step_name(step)}{TMP_MARK}{secrets.token_hex(4)}"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable (a directory's own fsync; a no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_unfinished(root: Path) -> list[Path]:
+    """Delete what interrupted saves left behind (names with `.tmp-`); return what was removed."""
+    removed = []
+    for entry in sorted(root.glob(f"*{TMP_MARK}*")):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
+
+
+def is_checkpoint(directory: Path) -> bool:
+    return _STEP_DIR.fullmatch(directory.name) is not None and (directory / MANIFEST).is_file()
+
+
+def complete_checkpoints(root: Path) -> list[tuple[Path, Manifest]]:
+    """Every complete checkpoint under `root`, oldest save first (by the manifest's time, then step).
+
+    Save time, not step number, decides: a run restarted from step 100 that saves step 110 must not see a
+    step 200 left by the abandoned run as its newest.
+    """
+    found = []
+    for entry in root.iterdir() if root.is_dir() else ():
+        if entry.is_dir() and is_checkpoint(entry):
+            try:
+                found.append((entry, read_manifest(entry)))
+            except CheckpointError:
+                continue  # a damaged checkpoint is never the one to resume from
+    return sorted(found, key=lambda pm: (pm[1].saved_at, pm[1].step))
+
+
+def latest_checkpoint(path: str | os.PathLike) -> str | None:
+    """The checkpoint to resume from under `path` (a root given to `partita.save`), or None if there is none.
+
+    The `latest` pointer when it names a complete checkpoint, otherwise the complete checkpoint saved last.
+    Directories of unfinished saves (`.tmp-`) are never returned.
+
+    >>> import tempfile
+    >>> latest_checkpoint(tempfile.mkdtemp()) is None
+    True
+    """
+    root = Path(path)
+    if not root.is_dir():
+        return None
+    try:
+        named = root / (root / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        named = None
+    if named is not None and named.parent == root and is_checkpoint(named):
+        return str(named)
+    complete = complete_checkpoints(root)
+    return str(complete[-1][0]) if complete else None
+
+
+def write_latest(root: Path, name: str) -> None:
+    tmp = root / f"{LATEST}{TMP_MARK}{secrets.token_hex(4)}"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    fsync_dir(root)
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """Rename the finished temporary directory into place and point `latest` at it.
+
+    Saving a step again replaces its checkpoint: the old one is first renamed to a `.tmp-` name (so that an
+    interruption between the two renames leaves it to be cleaned up, never half-visible).
+    """
+    root = final.parent
+    if final.exists():
+        displaced = root / f"{final.name}{TMP_MARK}{secrets.token_hex(4)}"
+        os.rename(final, displaced)
+        os.rename(tmp, final)
+        shutil.rmtree(displaced, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fsync_dir(root)
+    write_latest(root, final.name)
+
+
+def prune(root: Path, keep: int, newest: Path) -> list[Path]:
+    """Delete all but the `keep` checkpoints saved last (never `newest`); return the deleted ones."""
+    others = [p for p, _ in complete_checkpoints(root) if p != newest]
+    doomed = others[:max(0, len(others) - (keep - 1))]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint directory meant by `path`: a step-* directory itself, or the latest one under a root."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"no checkpoint at {p}: the path does not exist. Check the path, or save one first "
+                              "with partita.save(model, optimizer, path, step=...).")
+    if not p.is_dir():
+        raise CheckpointError(f"{p} is a file, not a checkpoint: pass the directory given to partita.save, or one "
+                              "of its step-* directories (partita export turns a checkpoint into a single file).")
+    if TMP_MARK in p.name:
+        raise CheckpointError(f"{p} is an unfinished checkpoint (a save that was interrupted); it is never "
+                              f"loaded. Load {p.parent} for the latest complete one.")
+    if (p / MANIFEST).exists():
+        return p
+    found = latest_checkpoint(p)
+    if found is None:
+        if (p / ".metadata").exists():
+            raise CheckpointError(f"{p} is a torch.distributed.checkpoint directory but not a partita checkpoint "
+                                  f"(no {MANIFEST}). Load it with torch.distributed.checkpoint directly, or save "
+                                  "with partita.save.")
+        raise CheckpointError(f"no complete checkpoint in {p}: it holds no step-* directory with a {MANIFEST}. "
+                              "Pass the directory given to partita.save, or check partita.latest_checkpoint(path) "
+                              "before loading.")
+    return Path(found)

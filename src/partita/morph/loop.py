@@ -1,0 +1,161 @@
+"""`partita.elastic`: a training loop that survives stops, failures and resizes, and stays a plain loop.
+
+    job = partita.elastic(model, opt, "ckpt", global_batch=256, save_every=100)
+    for step in job.steps(10_000):              # starts where the last checkpoint left off
+        x, y = dataset.batch(step)[job.rows]    # this rank's rows of global batch `step`
+        opt.zero_grad(); model(x, y).backward(); opt.step()
+
+On start it loads the latest checkpoint under the path, if any (model, optimizer, step, RNG states, `extra`).
+The world may have changed since: the model is re-planned for the world it finds on its first call, and the
+global batch stays the same (each rank's share is `job.local_batch` rows). If the world has not changed, the
+checkpoint's plan is used again, so a resumed run computes exactly what an uninterrupted one would.
+
+Between steps it saves every `save_every` steps and after the last one, and it stops when any rank was asked
+to: SIGTERM or SIGUSR1 (or the stop file of a `partita slurm` job near its time limit) make every rank save at
+the next step boundary and exit with status RESUME_EXIT_CODE. Run the same command again to continue;
+`partita run --max-restarts`, `partita slurm` (requeue) and `partita.ray.run(max_failures=...)` do it for you.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from partita import checkpoint
+from partita.morph.stop import RESUME_EXIT_CODE, StopRequest
+from partita.errors import CheckpointError, PartitaError
+from partita.launch import env
+
+log = logging.getLogger("partita")
+
+
+class Elastic:
+    """The state of an elastic training loop; made by `partita.elastic`."""
+
+    def __init__(self, model, optimizer, path: str | os.PathLike, *, global_batch: int | None, save_every: int | None,
+                 keep: int):
+        if save_every is not None and save_every < 1:
+            raise PartitaError(f"save_every must be a positive number of steps or None, got {save_every}")
+        world = env.init()
+        self.model, self.optimizer, self.path = model, optimizer, os.fspath(path)
+        self.global_batch, self.save_every, self.keep = global_batch, save_every, keep
+        self.rank, self.world_size = world.rank, world.world_size
+        self.local_batch = _local_batch(global_batch, world.world_size) if global_batch is not None else None
+        self.step = 0
+        self.extra: dict = {}
+        self.resumed_from: checkpoint.CheckpointInfo | None = None
+        self.stop_request = StopRequest().install()
+        if checkpoint.latest_checkpoint(self.path) is not None:
+            self._resume()
+
+    @property
+    def rows(self) -> slice:
+        """This rank's rows of a global batch (global batch = every rank's rows, in rank order)."""
+        if self.local_batch is None:
+            raise PartitaError("job.rows needs the global batch: partita.elastic(..., global_batch=N)")
+        return slice(self.rank * self.local_batch, (self.rank + 1) * self.local_batch)
+
+    def steps(self, total: int | None = None) -> Iterator[int]:
+        """The step numbers from the resumed step up to `total` (forever if None). Between two steps it saves
+        when due and stops (save, exit RESUME_EXIT_CODE) when asked to."""
+        try:
+            while total is None or self.step < total:
+                yield self.step
+                self.step += 1
+                reason = self._agreed_stop_reason()
+                finished = total is not None and self.step >= total
+                if reason or finished or (self.save_every and self.step % self.save_every == 0):
+                    saved = self.save()
+                if reason:
+                    self._exit(reason, saved)
+        finally:
+            self.stop_request.uninstall()
+
+    def save(self) -> str:
+        """Save a checkpoint of the current step now (collective)."""
+        return checkpoint.save(self.model, self.optimizer, self.path, step=self.step, extra=self.extra, keep=self.keep)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _resume(self) -> None:
+        info = checkpoint.load(self.model, self.optimizer, self.path)
+        self.step, self.extra, self.resumed_from = info.step, dict(info.extra), info
+        same_world = info.world_size == self.world_size
+        if same_world and info.plan is not None:
+            # the same plan computes bit for bit what the interrupted run would have; a new one might split the
+            # batch into other micro-batches (another order of summation)
+            adopt = getattr(self.model, "adopt_plan", None)
+            if adopt is not None:
+                adopt(info.plan)
+        if self.rank == 0:
+            env.log_to_stderr()
+            batch = (f"; global batch {self.global_batch} = {self.world_size} rank(s) x {self.local_batch} rows"
+                     if self.global_batch is not None else "")
+            if same_world:
+                log.info("resumed from %s at step %d (same world of %d rank(s), same plan)%s", info.path, info.step,
+                         self.world_size, batch)
+            else:
+                log.info("resumed from %s at step %d: the world changed from %d to %d rank(s), so the model is "
+                         "planned again%s", info.path, info.step, info.world_size, self.world_size, batch)
+
+    def _agreed_stop_reason(self) -> str | None:
+        """A reason to stop if any rank has one (signals may reach only some ranks), the same on every rank."""
+        reason = self.stop_request.reason()
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return reason
+        flag = torch.tensor([1.0 if reason else 0.0], device=env.world().device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() == 0:
+            return None
+        return reason or "another rank was asked to stop"
+
+    def _exit(self, reason: str, saved: str) -> None:
+        if self.rank == 0:
+            env.log_to_stderr()
+            log.info("stopping at step %d (%s) after saving %s; exit status %d: run the job again to resume",
+                     self.step, reason, saved, RESUME_EXIT_CODE)
+            # tells a launcher that can restart the job (the batch script of `partita slurm`) that it may
+            resume_file = os.environ.get("PARTITA_RESUME_FILE")
+            if resume_file:
+                with open(resume_file, "w") as f:
+                    f.write(saved)
+        env.shutdown()
+        raise SystemExit(RESUME_EXIT_CODE)
+
+
+def _local_batch(global_batch: int, world_size: int) -> int:
+    if global_batch < 1 or global_batch % world_size:
+        fits = [w for w in range(1, min(global_batch, 4 * world_size) + 1) if global_batch % w == 0]
+        raise CheckpointError(
+            f"the global batch of {global_batch} rows does not split evenly over {world_size} ranks. Run on a "
+            f"world size that divides it (e.g. {', '.join(map(str, fits[-6:]))}) or choose a global batch that "
+            f"{world_size} divides (e.g. {max(1, global_batch // world_size) * world_size})."
+        )
+    return global_batch // world_size
+
+
+def elastic(model, optimizer, path: str | os.PathLike, *, global_batch: int | None = None,
+            save_every: int | None = 100, keep: int = 3) -> Elastic:
+    """A training loop that resumes from the latest checkpoint under `path` and survives stops and resizes.
+
+    Collective: every rank calls it, after `parallelize`. `global_batch` (rows per optimizer step over all
+    ranks) stays fixed when the world size changes: `job.local_batch` is each rank's share and `job.rows`
+    its slice of a global batch. Saves every `save_every` steps (None: only when stopping and at the end),
+    keeping the last `keep` checkpoints. Put anything else your loop needs to resume (a data loader's
+    position, an LR scheduler's state_dict()) in `job.extra`, a dict saved with each checkpoint.
+
+    >>> import tempfile, torch, partita
+    >>> net = partita.parallelize(torch.nn.Linear(4, 2), loss_fn=torch.nn.MSELoss())
+    >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    >>> root = tempfile.mkdtemp()
+    >>> job = partita.elastic(net, opt, root, global_batch=8, save_every=2)
+    >>> for step in job.steps(3):
+    ...     x, y = torch.randn(8, 4)[job.rows], torch.randn(8, 2)[job.rows]
+    ...     opt.zero_grad(); net(x, y).backward(); opt.step()
+    >>> partita.elastic(net, opt, root, global_batch=8).step     # a new run resumes after the last step
+    3
+    """
+    return Elastic(model, optimizer, path, global_batch=global_batch, save_every=save_every, keep=keep)

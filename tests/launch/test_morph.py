@@ -1,0 +1,81 @@
+"""Job morphing under `partita run`, with real processes and real signals: a job that is stopped, killed or
+resized continues from its latest checkpoint and trains as if nothing had happened (bit for bit in the same
+world; to one process's losses, fp32 rtol 1e-5, in another). Slurm's requeue is in test_slurm.py, Ray's
+restart in test_ray.py."""
+
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from launch.harness import BIN, SCRIPT, by_step, check, env, losses, output, rank0_logs
+
+pytestmark = pytest.mark.slow
+
+RESUME_EXIT_CODE = 75
+
+
+def partita_run(run_dir, ranks: int, *args, restarts: int = 0):
+    return subprocess.run([str(BIN / "partita"), "run", "-n", str(ranks), "--max-restarts", str(restarts), "--quiet",
+                           "--log-dir", str(run_dir / "logs"), SCRIPT, str(run_dir), *map(str, args)],
+                          capture_output=True, text=True, env=env(), timeout=240)
+
+
+def test_a_stopped_and_a_killed_job_restart_and_resume_bit_for_bit(reference_run, tmp_path):
+    """Under `partita run --max-restarts 2`: SIGUSR1 after step 1 (a stop request: save at the step boundary,
+    exit 75, and the agent restarts the job), then kill -9 of rank 2 in step 3 (the agent restarts it again).
+    Each restart resumes from the latest checkpoint; the final parameters equal the uninterrupted run's."""
+    proc = partita_run(tmp_path, 4, "--plan", reference_run["plan"], "--stop-after", 1, "--die-at", 3,
+                       "--die-rank", 2, restarts=2)
+    assert proc.returncode == 0, output(proc)
+    rows = losses(tmp_path)
+    # stopped after step 1 (saved step 2), killed in step 3 (the latest checkpoint is still step 2)
+    assert [(r["step"], r["attempt"]) for r in rows] == [(0, 0), (1, 0), (2, 1), (2, 2), (3, 2), (4, 2), (5, 2)]
+    assert "stopping at step 2 (SIGUSR1) after saving" in rank0_logs(tmp_path / "logs")
+    assert by_step(rows) == by_step(losses(reference_run["dir"]))
+    final, reference = torch.load(tmp_path / "final.pt"), reference_run["final"]
+    assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in reference)
+    died = float((tmp_path / "died").read_text())
+    back = next(r["time"] for r in rows if r["time"] > died)
+    print(f"kill -9 of rank 2 -> first step of the restarted job done: {back - died:.1f} s")
+    assert back - died < 60  # 13-17 s on an idle 2-core machine (bench/restart_time.py); room for a loaded runner
+
+
+def test_sigterm_to_the_launcher_saves_stops_with_a_distinct_status_and_loses_no_step(tmp_path):
+    """What a preempted machine sees: SIGTERM to `partita run`, which passes it to every rank. They save after the
+    step they are in, the command exits with 75, and running it again finishes the job."""
+    steps = 60
+    proc = subprocess.Popen([str(BIN / "partita"), "run", "-n", "2", "--quiet", "--log-dir", str(tmp_path / "logs"),
+                             SCRIPT, str(tmp_path), "--steps", str(steps), "--step-sleep", "0.05"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    deadline = time.monotonic() + 120
+    while not ((tmp_path / "losses.jsonl").exists() and len(losses(tmp_path)) >= 3):
+        assert time.monotonic() < deadline and proc.poll() is None, "the job did not start training"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == RESUME_EXIT_CODE, f"exit {proc.returncode}\n{stdout}\n{stderr}"
+    assert "stopped to be resumed" in stderr
+    done = losses(tmp_path)[-1]["step"] + 1
+    assert done < steps and (tmp_path / "ckpt" / f"step-{done:06d}").is_dir()  # saved after its last step
+    again = partita_run(tmp_path, 2, "--steps", steps)
+    assert again.returncode == 0, output(again)
+    assert [r["step"] for r in losses(tmp_path)] == list(range(steps))
+    check(tmp_path, 2, steps)
+
+
+def test_resizing_replans_and_keeps_the_global_batch(tmp_path):
+    """4 ranks for 2 steps (2 stages x 2 replicas), then 2 ranks for 2 steps (as the planner chooses), then 4
+    ranks again (4 stages): each run resumes where the last stopped, under its own plan, with the same global
+    batch, and the losses are one process's."""
+    for ranks, until, plan in ((4, 2, ["--stages", 2]), (2, 4, ["--auto-plan"]), (4, 6, ["--stages", 4])):
+        proc = partita_run(tmp_path, ranks, "--steps", until, *plan)
+        assert proc.returncode == 0, output(proc)
+    logs = rank0_logs(tmp_path / "logs")
+    for before, after in ((4, 2), (2, 4)):
+        assert (f"the world changed from {before} to {after} rank(s), so the model is planned again; global batch 16 "
+                f"= {after} rank(s) x {16 // after} rows") in logs, logs
+    assert [(r["step"], r["world"]) for r in losses(tmp_path)] == [(0, 4), (1, 4), (2, 2), (3, 2), (4, 4), (5, 4)]
+    check(tmp_path, 4, stages=4)  # the last plan

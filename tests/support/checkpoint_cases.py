@@ -1,0 +1,171 @@
+"""Checkpoint test bodies that run on every rank of a pool (see pool.py); each returns plain data.
+
+Training uses a fixed global batch per step (the same rows whatever the world size), so a run resumed on
+another world size and plan must continue with the losses of the run that saved.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import partita
+from partita.checkpoint.holding import holding_of
+from support.cases import _optimizer
+from support.zoo import CASES
+
+GLOBAL_BATCH = 16
+
+
+def estimated_costs(case):
+    """Plan from the device preset instead of measuring: every test here fixes the plan, and measuring
+    costs seconds per model and world size. Restored after the case, for the tests that share the pool."""
+    @functools.wraps(case)
+    def run(*args, **kwargs):
+        before = os.environ.get("PARTITA_PROFILE")
+        os.environ["PARTITA_PROFILE"] = "estimate"
+        try:
+            return case(*args, **kwargs)
+        finally:
+            if before is None:
+                del os.environ["PARTITA_PROFILE"]
+            else:
+                os.environ["PARTITA_PROFILE"] = before
+    return run
+
+
+def _batch(case, step: int):
+    """This rank's rows of global batch number `step`."""
+    rank, world = partita.get_rank(), partita.get_world_size()
+    args, kwargs, target = case.batch(GLOBAL_BATCH, torch.Generator().manual_seed(1000 + step))
+    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    return tuple(a[rows] for a in args), target[rows]
+
+
+def _train_step(pm, opt, case, step: int) -> float:
+    args, target = _batch(case, step)
+    opt.zero_grad()
+    loss = pm(*args, target)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def _draws() -> list[float]:
+    return [*torch.rand(3).tolist(), random.random(), float(np.random.rand())]
+
+
+def _snapshot(pm, opt) -> dict:
+    """The whole model and optimizer state, as numpy arrays (the same on every rank)."""
+    model = {n: t.detach().numpy().copy() for n, t in pm.state_dict().items()}
+    osd = opt.state_dict()
+    optim = {f"{i}.{k}": (v.detach().numpy().copy() if torch.is_tensor(v) else v)
+             for i, s in osd["state"].items() for k, v in s.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]
+    return {"model": model, "optim": optim, "groups": groups}
+
+
+def _model(name: str, plan: dict, seed: int):
+    case = CASES[name]
+    torch.manual_seed(seed)
+    model = case.make()
+    opt = _optimizer("adam", model)
+    return case, partita.parallelize(model, opt, loss_fn=case.loss_fn, **plan), opt
+
+
+@estimated_costs
+def train_and_save(name: str, root: str, plan: dict, steps: int = 2, more: int = 2) -> dict:
+    """Train `steps` steps, save, and go on for `more` steps: what a resumed run must reproduce."""
+    rank = partita.get_rank()
+    case, pm, opt = _model(name, plan, seed=0)
+    for step in range(steps):
+        _train_step(pm, opt, case, step)
+    torch.manual_seed(100 + rank)  # every rank its own streams, so that restoring the wrong one shows
+    random.seed(200 + rank)
+    np.random.seed(300 + rank)
+    path = partita.save(pm, opt, root, step=steps, extra={"epoch": 1, "batch": steps, "files": ["a", "b"]})
+    draws = _draws()
+    snapshot = _snapshot(pm, opt)
+    losses = [_train_step(pm, opt, case, step) for step in range(steps, steps + more)]
+    return {"path": path, "snapshot": snapshot, "draws": draws, "losses": losses,
+            "writes": sorted(holding_of(pm).writes), "plan": (pm.plan.num_stages, pm.plan.num_replicas)}
+
+
+@estimated_costs
+def load_and_continue(name: str, root: str, plan: dict, more: int = 2, after_first_call: bool = False) -> dict:
+    """A fresh model (other initial weights) and optimizer, loaded from `root`, then trained `more` steps."""
+    case, pm, opt = _model(name, plan, seed=123)
+    if after_first_call:
+        _train_step(pm, opt, case, 99)  # the plan is made and the optimizer has state, all to be replaced
+    info = partita.load(pm, opt, root)
+    draws = _draws()
+    snapshot = _snapshot(pm, opt)
+    losses = [_train_step(pm, opt, case, step) for step in range(info.step, info.step + more)]
+    names = {id(p): n for n, p in pm.module.named_parameters()}
+    local = sorted(names[i] for i in pm._local_parameter_ids())
+    return {"info": {"step": info.step, "extra": info.extra, "world_size": info.world_size,
+                     "plan": (info.plan.num_stages, info.plan.num_replicas) if info.plan else None,
+                     "rng_restored": info.rng_restored, "path": info.path},
+            "snapshot": snapshot, "draws": draws, "losses": losses,
+            "optimizer_state_of": sorted(names[id(p)] for p in opt.state), "trains": local,
+            "plan": (pm.plan.num_stages, pm.plan.num_replicas)}
+
+
+def plain_ddp_save(root: str) -> dict:
+    """torch's own DDP (no partita model): BatchNorm statistics differ between ranks after a step."""
+    rank = partita.get_rank()
+    case = CASES["batchnorm"]
+    torch.manual_seed(0)
+    model = case.make()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    (x,), _, y = case.batch(8, torch.Generator().manual_seed(rank))
+    case.user_loss(ddp(x), y).backward()
+    opt.step()
+    path = partita.save(ddp, opt, root, step=1)
+    return {"path": path, "state": {n: t.numpy().copy() for n, t in model.state_dict().items()},
+            "momentum": [opt.state[p]["momentum_buffer"].numpy().copy() for p in model.parameters()]}
+
+
+@estimated_costs
+def save_steps(name: str, root: str, steps: list[int], keep: int) -> list[str]:
+    """Save at each of `steps` (one training step between saves); return the paths written."""
+    case, pm, opt = _model(name, {"stages": 2}, seed=0)
+    paths = []
+    for step in steps:
+        _train_step(pm, opt, case, step)
+        paths.append(partita.save(pm, opt, root, step=step, keep=keep))
+    return paths
+
+
+@estimated_costs
+def load_latest(name: str, root: str) -> int:
+    case, pm, opt = _model(name, {"stages": 2}, seed=0)
+    return partita.load(pm, opt, root).step
+
+
+@estimated_costs
+def failures(scenario: str, root: str) -> dict:
+    """Run a failing checkpoint call; return the error this rank raised (every rank must raise one)."""
+    rank = partita.get_rank()
+    try:
+        if scenario == "foreign_model":  # root holds a checkpoint of another model
+            case, pm, opt = _model("gpt", {"stages": 2}, seed=0)
+            partita.load(pm, opt, root)
+        elif scenario == "bad_extra_on_one_rank":
+            case, pm, opt = _model("mlp", {"stages": 2}, seed=0)
+            _train_step(pm, opt, case, 0)
+            partita.save(pm, opt, root, step=1, extra={"x": object() if rank == 1 else 1})
+        elif scenario == "damaged":  # root holds a checkpoint with a data file deleted
+            case, pm, opt = _model("mlp", {"stages": 2}, seed=0)
+            partita.load(pm, opt, root)
+        else:
+            raise KeyError(scenario)
+    except partita.CheckpointError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}
