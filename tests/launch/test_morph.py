@@ -3,13 +3,16 @@ resized continues from its latest checkpoint and trains as if nothing had happen
 world; to one process's losses, fp32 rtol 1e-5, in another). Slurm's requeue is in test_slurm.py, Ray's
 restart in test_ray.py."""
 
+import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from launch.daemons import free_port
 from launch.harness import BIN, SCRIPT, by_step, check, env, losses, output, rank0_logs
 
 pytestmark = pytest.mark.slow
@@ -79,3 +82,59 @@ def test_resizing_replans_and_keeps_the_global_batch(tmp_path):
                 f"= {after} rank(s) x {16 // after} rows") in logs, logs
     assert [(r["step"], r["world"]) for r in losses(tmp_path)] == [(0, 4), (1, 4), (2, 2), (3, 2), (4, 4), (5, 4)]
     check(tmp_path, 4, stages=4)  # the last plan
+
+
+def test_nodes_that_join_and_leave_resize_a_running_job(tmp_path):
+    """Two `partita run --nnodes 1:2` agents on this machine stand for the nodes of an elastic job. The job starts
+    on one node (2 ranks); a second node joins (the agents restart their ranks: 4 ranks, each stopped rank saves
+    first); the second node dies with every process on it (kill -9: back to 2 ranks). Each change re-plans and
+    resumes from the latest checkpoint with the same global batch; the losses are one process's."""
+    port = free_port()
+
+    def node(name: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [str(BIN / "partita"), "run", "-n", "2", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--rdzv-id", "morph", "--max-restarts", "3", "--quiet", "--log-dir", str(tmp_path / f"logs-{name}"),
+             SCRIPT, str(tmp_path), "--steps", "400", "--step-sleep", "0.05", "--auto-plan"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(PARTITA_TEST_NODE=name))
+
+    def worlds() -> list[int]:
+        return [r["world"] for r in losses(tmp_path)] if (tmp_path / "losses.jsonl").exists() else []
+
+    first = node("a")
+    wait_for(lambda: len(worlds()) >= 3, first, "the first node to train")
+    second = node("b")
+    wait_for(lambda: worlds().count(4) >= 3, first, "the job to grow to 4 ranks and save")  # saves every 2 steps
+    for pid in [second.pid, *_processes_of_node("b")]:  # the node goes away: its agent and its ranks
+        os.kill(pid, signal.SIGKILL)
+    second.wait(timeout=30)
+    wait_for(lambda: worlds()[-1] == 2 and worlds().count(2) > worlds().index(4), first, "the job to shrink to 2")
+    first.send_signal(signal.SIGTERM)  # enough: stop (and save) instead of training all 400 steps
+    stdout, stderr = first.communicate(timeout=90)
+    assert first.returncode == RESUME_EXIT_CODE, f"exit {first.returncode}\n{stdout}\n{stderr}"
+    sizes = [w for i, w in enumerate(worlds()) if i == 0 or worlds()[i - 1] != w]
+    assert sizes == [2, 4, 2], sizes
+    logs = rank0_logs(tmp_path / "logs-a") + rank0_logs(tmp_path / "logs-b")
+    for before, after in ((2, 4), (4, 2)):
+        assert f"the world changed from {before} to {after} rank(s), so the model is planned again" in logs, logs
+    check(tmp_path, 2, len(by_step(losses(tmp_path))), stages=1)
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"the job ended (exit {proc.returncode}) while waiting for {what}"
+        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
+        time.sleep(0.1)
+
+
+def _processes_of_node(name: str) -> list[int]:
+    """Processes started with PARTITA_TEST_NODE=name (the agent's ranks run in sessions of their own)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"PARTITA_TEST_NODE={name}".encode() in (proc / "environ").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids

@@ -6,8 +6,8 @@
 It trains 2 stages x (world / 2) replicas (one stage in one process) unless told otherwise, with Adam, on a
 fixed global batch per step whatever the world size, so every run computes one process's losses. Checkpoints go
 to RUN_DIR/ckpt every 2 steps. Rank 0 appends one JSON line per step to RUN_DIR/losses.jsonl (step, loss, world
-size, attempt of torch's agent, run of a requeued Slurm job, time) and, at the end, writes the final parameters to RUN_DIR/final.pt and the plan to
-RUN_DIR/plan-<world>.json.
+size, attempt of torch's agent, run of a requeued Slurm job, time), the plan of each world size it ran in to
+RUN_DIR/plan-<world>.json, and at the end the final parameters to RUN_DIR/final.pt.
 
 --die-at: rank R kills itself with SIGKILL at that step, once (it leaves RUN_DIR/died with the time of death).
 --stop-after: rank 0 sends itself SIGUSR1 after finishing that step (a stop request mid-run).
@@ -77,6 +77,8 @@ def main() -> None:
         loss.backward()
         opt.step()
         if rank == 0:
+            if step == job.start_step:
+                model.plan.save(run / f"plan-{world}.json")
             with open(run / "losses.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "loss": loss.item(), "world": world, "attempt": attempt, "requeue": requeue,
                                     "time": time.time()}) + "\n")
@@ -85,7 +87,6 @@ def main() -> None:
     state = model.state_dict()
     if rank == 0:
         torch.save(state, run / "final.pt")
-        model.plan.save(run / f"plan-{world}.json")
     partita.shutdown()
 
 

@@ -70,6 +70,10 @@ def run(args) -> int:
         return 2
     cores = os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.nproc)))
+    # torch 2.13's agents share one store across rendezvous rounds, and a node that joins a running job (round 1
+    # or later) waits forever for the store address that only the first round publishes (pytorch#135712):
+    # each round gets a store of its own instead, hosted by its rank 0 on a fresh port
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
     class PrintedLogs(DefaultLogsSpecs):
         """torch's log layout, announced on the console when each attempt starts. The attempts are counted here:

@@ -51,6 +51,7 @@ class Elastic:
         self.stop_request = StopRequest().install()
         if checkpoint.latest_checkpoint(self.path) is not None:
             self._resume()
+        self.start_step = self.step  # where this run began: 0, or the step of the checkpoint it resumed from
 
     @property
     def rows(self) -> slice:
