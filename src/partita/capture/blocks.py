@@ -99,11 +99,14 @@ def _shape_text(val) -> str:
     return f"{val.dtype}{[_concrete(d, 1) for d in val.shape]}{[_concrete(d, 2) for d in val.shape]}"
 
 
-def _op_text(node: fx.Node) -> str:
-    """The op with the shapes of its tensor arguments and output and the values of its other arguments: ops
-    with equal texts count the same (an arange's length or a reduction's dims are arguments, not inputs)."""
+def _op_text(node: fx.Node, requires_grad: dict[str, bool]) -> str:
+    """The op with the shapes of its tensor arguments and output, which of them need a gradient, and the values
+    of its other arguments: ops with equal texts count and run the same (an arange's length or a reduction's
+    dims are arguments; the first layer of a stack computes no gradient for its input, the others do)."""
     def arg(a):
-        return _shape_text(a.meta.get("val")) if isinstance(a, fx.Node) else repr(a)
+        if not isinstance(a, fx.Node):
+            return repr(a)
+        return _shape_text(a.meta.get("val")) + ("^" if requires_grad.get(a.name) else "")
 
     args = pytree.tree_map(arg, (node.args, dict(node.kwargs)), is_leaf=lambda a: isinstance(a, fx.Node))
     return f"{node.target}{args}->{_shape_text(node.meta.get('val'))}"
@@ -128,7 +131,7 @@ def _units(cap: CapturedGraph) -> list[_Unit]:
     counted: dict[str, tuple[Fit, Fit, Fit]] = {}
     for group in units(cap):
         path = _module(group[0])
-        text = ";".join(_op_text(n) for n in group)
+        text = ";".join(_op_text(n, cap.requires_grad) for n in group)
         if text not in counted:
             counted[text] = (_line(group, _flops), _line(group, _traffic),
                              _line(group, lambda n, b: _bytes(n.meta.get("val"), b)))

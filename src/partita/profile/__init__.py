@@ -21,7 +21,7 @@ from partita.profile.overheads import measure_overheads
 
 __all__ = ["device_spec", "measure"]
 
-MEASUREMENT_VERSION = 2  # part of every cache key: measurements made differently are not reused
+MEASUREMENT_VERSION = 4  # part of every cache key: measurements made differently are not reused
 
 
 def device_spec(device: torch.device) -> DeviceSpec:

@@ -23,7 +23,9 @@ from partita.capture.shapes import shape_at
 from partita.capture.split import split
 from partita.graph import Block, BlockCost, Fit, ModelGraph
 
-REPEATS = 5  # timed runs per measurement; the median is kept
+REPEATS = 5  # timed samples per measurement; the median is kept
+ROUNDS = 3  # passes over all measurements, interleaved; the median of each is kept
+SAMPLE_S = 2e-3  # a sample repeats the call until it lasts this long: a sub-millisecond call timed once is noise
 
 
 def profile_rows(local_batch: int) -> tuple[int, int]:
@@ -63,14 +65,20 @@ def _sync(device: torch.device) -> None:
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device) -> float:
-    fn()  # warm-up
+    """Seconds per call: the median of REPEATS samples, each of as many calls as last SAMPLE_S together."""
+    _sync(device)
+    start = time.perf_counter()
+    fn()  # warm-up, and a first estimate
+    _sync(device)
+    calls = max(1, min(1000, int(SAMPLE_S / max(time.perf_counter() - start, 1e-7))))
     times = []
     for _ in range(REPEATS):
         _sync(device)
         start = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
@@ -147,12 +155,21 @@ def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, devi
     for turn in range(turns):
         if not at_once or local_rank // at_once == turn:
             launch = backward_launch_seconds(device)
-            for i, sig in enumerate(mine):
-                f1, b1, a1 = measure_block(cap, graph, first_of[sig], r1, device, launch)
-                f2, b2, a2 = measure_block(cap, graph, first_of[sig], r2, device, launch)
+            # ROUNDS passes over every measurement: a slow spell of a shared machine then spoils one sample of
+            # each, not every sample of one, and the medians drop it
+            samples: dict = {}
+            for round_ in range(ROUNDS):
+                for i, sig in enumerate(mine):
+                    for rows in (r1, r2):
+                        samples.setdefault((sig, rows), []).append(
+                            measure_block(cap, graph, first_of[sig], rows, device, launch))
+                    if show_progress and rank == 0:
+                        _progress(round_ * len(mine) + i + 1, ROUNDS * len(mine), len(signatures), world,
+                                  graph.num_blocks)
+            m = {key: [statistics.median(v) for v in zip(*values)] for key, values in samples.items()}
+            for sig in mine:
+                (f1, b1, a1), (f2, b2, a2) = m[sig, r1], m[sig, r2]
                 results[sig] = (Fit.through(r1, f1, r2, f2), Fit.through(r1, b1, r2, b2), Fit.through(r1, a1, r2, a2))
-                if show_progress and rank == 0:
-                    _progress(i + 1, len(mine), len(signatures), world, graph.num_blocks)
         if turns > 1 and world > 1:
             dist.barrier()
     every: list = [None] * world
