@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+ROUNDS = 3  # turns of every configuration, interleaved
 GRID = [(1, 1, "GPipe"), (2, 2, "GPipe"), (2, 4, "GPipe"), (2, 4, "1F1B"), (2, 8, "1F1B"), (4, 4, "GPipe"),
         (4, 4, "1F1B"), (4, 8, "1F1B")]  # stages, micro-batches, schedule
 
@@ -75,25 +76,31 @@ def _parameter_balanced(plan, graph):
                    reasons=("boundaries balance parameter counts (DeepSpeed's default)",))
 
 
-def _throughput(pm, opt, batch, local_batch, steps, torch) -> float:
+def _step_function(pm, opt, batch, local_batch):
     x, y = batch(local_batch)
 
     def step():
         opt.zero_grad()
         pm(x, y).backward()
         opt.step()
-
-    for _ in range(2):
+    for _ in range(2):  # the first call captures, measures and plans; the second warms up
         step()
-    blocks = []
-    for _ in range(3):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.distributed.barrier()
-        blocks.append((time.perf_counter() - start) / steps)
-    return local_batch * torch.distributed.get_world_size() / statistics.median(blocks)
+    return step
+
+
+def _throughputs(steps_of: list, rows_per_step: int, steps: int, torch) -> list[float]:
+    """Samples per second of each step function. They take turns, ROUNDS times, so that a slow spell of the
+    shared machine weighs on every configuration alike; the median of the rounds is kept."""
+    seconds: list[list[float]] = [[] for _ in steps_of]
+    for _ in range(ROUNDS):
+        for times, step in zip(seconds, steps_of):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.distributed.barrier()
+            times.append((time.perf_counter() - start) / steps)
+    return [rows_per_step / statistics.median(t) for t in seconds]
 
 
 def worker(out: str, steps: int) -> None:
@@ -102,28 +109,28 @@ def worker(out: str, steps: int) -> None:
     import partita
 
     w = partita.init()
-    results = {"grid": [], "imbalanced": {}}
 
-    def run(make, **plan_args):
+    def build(make, **plan_args):
         model, loss_fn, batch, local_batch = make()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         pm = partita.parallelize(model, opt, loss_fn=loss_fn, **plan_args)
-        return _throughput(pm, opt, batch, local_batch, steps, torch), pm
+        return pm, _step_function(pm, opt, batch, local_batch), local_batch * w.world_size
 
-    auto, pm = run(_gpt)
-    results["auto"] = {"samples_per_s": auto, "plan": pm.plan.explain().splitlines()[0]}
-    for stages, mbs, schedule in GRID:
-        if w.world_size % stages:
-            continue
-        rate, pm = run(_gpt, stages=stages, micro_batches=mbs, schedule=schedule)
-        results["grid"].append({"config": [stages, mbs, schedule], "samples_per_s": rate,
-                                "plan": pm.plan.explain().splitlines()[0]})
-    ours, pm = run(_imbalanced, stages=w.world_size, schedule="1F1B")
-    by_params = _parameter_balanced(pm.plan, pm._graph)
-    theirs, pm2 = run(_imbalanced, plan=by_params)
-    results["imbalanced"] = {"partita": ours, "parameters": theirs, "partita_plan": pm.plan.explain(),
-                             "parameter_plan": pm2.plan.explain()}
+    gpt = [build(_gpt)] + [build(_gpt, stages=st, micro_batches=m, schedule=sc) for st, m, sc in GRID
+                           if w.world_size % st == 0]
+    rates = _throughputs([step for _, step, _ in gpt], gpt[0][2], steps, torch)
+    ours, ours_step, rows = build(_imbalanced, stages=w.world_size, schedule="1F1B")
+    theirs, theirs_step, _ = build(_imbalanced, plan=_parameter_balanced(ours.plan, ours._graph))
+    imbalanced = _throughputs([ours_step, theirs_step], rows, steps, torch)
     if w.rank == 0:
+        results = {
+            "auto": {"samples_per_s": rates[0], "plan": gpt[0][0].plan.explain().splitlines()[0],
+                     "reasons": list(gpt[0][0].plan.reasons)},
+            "grid": [{"config": list(cfg), "samples_per_s": r, "plan": pm.plan.explain().splitlines()[0]}
+                     for cfg, (pm, _, _), r in zip([c for c in GRID if w.world_size % c[0] == 0], gpt[1:], rates[1:])],
+            "imbalanced": {"partita": imbalanced[0], "parameters": imbalanced[1],
+                           "partita_plan": ours.plan.explain(), "parameter_ranges": [s.blocks for s in theirs.plan.stages]},
+        }
         Path(out).write_text(json.dumps(results))
     partita.shutdown()
 
@@ -131,7 +138,7 @@ def worker(out: str, steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5, help="consecutive steps per timed block (3 blocks)")
+    ap.add_argument("--steps", type=int, default=5, help="consecutive steps per timed turn")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -147,6 +154,8 @@ def main() -> None:
     for g in r["grid"]:
         print(f"plan_quality: hand {g['config']}: {g['samples_per_s']:.0f} samples/s ({g['plan']})")
     print(f"plan_quality: automatic: {r['auto']['samples_per_s']:.0f} samples/s ({r['auto']['plan']})")
+    for reason in r["auto"]["reasons"]:
+        print(f"plan_quality:     {reason}")
     print(f"plan_quality: automatic / best hand configuration {best['config']}: "
           f"{r['auto']['samples_per_s'] / best['samples_per_s']:.3f} (goal >= 0.95)")
     imb = r["imbalanced"]
@@ -154,7 +163,7 @@ def main() -> None:
           f"parameter-balanced split {imb['parameters']:.0f} samples/s, ratio "
           f"{imb['partita'] / imb['parameters']:.2f} (goal >= 1.2)")
     print("plan_quality: partita's split:\n" + imb["partita_plan"])
-    print("plan_quality: parameter-balanced split:\n" + imb["parameter_plan"])
+    print(f"plan_quality: parameter-balanced split, blocks per stage: {imb['parameter_ranges']}")
 
 
 if __name__ == "__main__":
