@@ -22,6 +22,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# the unit and torch tests alone: tests marked slow (real launchers, big models) are left out
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
 bench: $(STAMP)
 	for b in bench/*.py; do $(PY) $$b || exit 1; done
 
