@@ -1,11 +1,12 @@
 """Each launcher's variables -> this process's place; which launcher wins when several set variables. No processes."""
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from launch.harness import BIN, SCRIPT, env, output
+from launch.harness import BIN, PYTHON, SCRIPT, env, output
 from partita.errors import LaunchError
 from partita.launch import mpi
 from partita.launch.env import detect
@@ -53,10 +54,21 @@ def test_mpirun_on_several_nodes_without_mpi4py_says_what_to_do(monkeypatch):
     assert mpi.agree_address(detect(one_node), one_node).address.host == "127.0.0.1"
 
 
+def srun_address_in_another_process(environ: dict, hash_seed: int) -> str:
+    """The rendezvous address that a separate Python process, with its own salt for str hashes, derives."""
+    code = "import json, sys; from partita.launch.slurm import detect; print(detect(json.loads(sys.argv[1])).address)"
+    proc = subprocess.run([PYTHON, "-c", code, json.dumps(environ)], capture_output=True, text=True,
+                          env=env(PYTHONHASHSEED=str(hash_seed)), timeout=60)
+    assert proc.returncode == 0, output(proc)
+    return proc.stdout.strip()
+
+
 def test_srun_task():
     p = detect(SRUN)
     assert (p.launcher, p.rank, p.world_size, p.local_rank, p.local_world_size, p.num_nodes) == ("srun", 5, 8, 1, 4, 2)
-    assert p.address.host == "gpu07" and p.address == detect(SRUN).address  # every rank derives the same port
+    # every rank is a process of its own and derives the same port: two hash seeds, as ranks would have
+    assert p.address.host == "gpu07"
+    assert srun_address_in_another_process(SRUN, 1) == srun_address_in_another_process(SRUN, 2) == str(p.address)
     assert detect({**SRUN, "SLURM_STEP_ID": "1"}).address.port != p.address.port  # two steps may run at once
 
 
