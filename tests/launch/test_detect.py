@@ -96,16 +96,38 @@ def test_tasks_per_node():
     assert tasks_per_node("4(x2),3") == [4, 4, 3] and tasks_per_node("2") == [2]
 
 
-def test_partita_slurm_dry_run_prints_a_valid_script():
-    for launcher in ("srun", "torchrun"):
-        proc = subprocess.run([str(BIN / "partita"), "slurm", "--nodes", "2", "--ranks-per-node", "4",
-                               "--gpus-per-node", "4", "--launcher", launcher, "--dry-run", SCRIPT, "--steps", "10"],
-                              capture_output=True, text=True, env=env(), timeout=60)
-        assert proc.returncode == 0, output(proc)
-        assert "#SBATCH --nodes=2" in proc.stdout and "#SBATCH --gpus-per-node=4" in proc.stdout
-        assert "#SBATCH --signal=B:USR1@120" in proc.stdout and f"{SCRIPT} --steps 10" in proc.stdout
-        syntax = subprocess.run(["bash", "-n"], input=proc.stdout, capture_output=True, text=True)
-        assert syntax.returncode == 0, syntax.stderr
+def dry_run(*options: str) -> str:
+    """The batch script that `partita slurm --nodes 2 --ranks-per-node 4 OPTIONS --dry-run` prints."""
+    proc = subprocess.run([str(BIN / "partita"), "slurm", "--nodes", "2", "--ranks-per-node", "4", *options,
+                           "--dry-run", SCRIPT, "--steps", "10"], capture_output=True, text=True, env=env(), timeout=60)
+    assert proc.returncode == 0, output(proc)
+    return proc.stdout
+
+
+def uncommented(script: str) -> list[str]:
+    """The first line of each group of consecutive commands or #SBATCH lines that no comment directly precedes."""
+    def comment(line: str) -> bool:
+        return line.startswith("#") and not line.startswith("#SBATCH")
+
+    lines = script.splitlines()[1:]  # after #!/bin/bash
+    return [line for before, line in zip(["", *lines], lines)
+            if line.strip() and not comment(line) and not comment(before) and not before.strip()]
+
+
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+@pytest.mark.parametrize("requeue", [[], ["--no-requeue"]])
+def test_partita_slurm_dry_run_prints_a_valid_commented_script(launcher, requeue):
+    script = dry_run("--gpus-per-node", "4", "--partition", "gpu", "--launcher", launcher, *requeue)
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=4" in script
+    assert "#SBATCH --partition=gpu" in script
+    assert "#SBATCH --signal=B:USR1@120" in script and f"{SCRIPT} --steps 10" in script
+    assert uncommented(script) == [], script
+    syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+
+
+def test_partita_slurm_leaves_the_partition_to_slurm_unless_given():
+    assert "--partition" not in dry_run()  # the cluster's default partition
 
 
 def test_partita_slurm_without_slurm_says_so(tmp_path):

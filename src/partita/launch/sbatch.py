@@ -59,18 +59,26 @@ class SlurmJob:
 
 
 def _directives(job: SlurmJob) -> list[str]:
-    """The #SBATCH lines: resources, then where output goes."""
-    lines = [f"--job-name={job.job_name}", f"--nodes={job.nodes}"]
+    """The #SBATCH lines, in groups, each after a comment that says what it asks for."""
+    gpus = f", {job.gpus_per_node} GPU(s) per node" if job.gpus_per_node else ""
+    resources = [f"--job-name={job.job_name}", f"--nodes={job.nodes}"]
     if job.launcher == "srun":
-        lines += [f"--ntasks-per-node={job.ranks_per_node}"]
+        resources += [f"--ntasks-per-node={job.ranks_per_node}"]
     else:  # one agent per node, with a CPU for each of its ranks
-        lines += ["--ntasks-per-node=1", f"--cpus-per-task={job.ranks_per_node}"]
-    lines += [f"--partition={job.partition}"] if job.partition else []
-    lines += [f"--time={job.time}"] if job.time else []
-    lines += [f"--gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []
-    lines += [f"--output={job.output}", f"--chdir={job.workdir}"]
-    lines += ["--requeue", "--open-mode=append"] if job.requeue else []
-    return [f"#SBATCH {line}" for line in lines]
+        resources += ["--ntasks-per-node=1", f"--cpus-per-task={job.ranks_per_node}"]
+    resources += [f"--partition={job.partition}"] if job.partition else []
+    resources += [f"--time={job.time}"] if job.time else []
+    resources += [f"--gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []
+    groups = [
+        (f"{job.nodes} node(s) x {job.ranks_per_node} rank(s) per node = {job.nodes * job.ranks_per_node} "
+         f"ranks{gpus}, started by {job.launcher}.", resources),
+        ("The output of this script and of every rank goes to one file per job; the job runs in the folder that "
+         "`partita slurm` ran in.", [f"--output={job.output}", f"--chdir={job.workdir}"]),
+    ]
+    if job.requeue:
+        groups.append(("The job may put itself back in the queue (at the end of this script); its output file "
+                       "then keeps the output of the runs before.", ["--requeue", "--open-mode=append"]))
+    return [line for text, options in groups for line in (*_comment(text), *(f"#SBATCH {o}" for o in options))]
 
 
 def _comment(text: str) -> list[str]:
@@ -105,20 +113,20 @@ def _launch(job: SlurmJob) -> list[str]:
 
 def render(job: SlurmJob, command_line: str) -> str:
     """The batch script: readable, commented, ready for `sbatch`."""
-    gpus = f", {job.gpus_per_node} GPU(s) per node" if job.gpus_per_node else ""
     warn = job.warn_before_end_s
     lines = [
         "#!/bin/bash",
         "# Written by `partita slurm` for:",
         f"#   {command_line}",
-        *_comment(f"{job.nodes} node(s) x {job.ranks_per_node} rank(s) per node = {job.nodes * job.ranks_per_node} "
-                  f"ranks{gpus}, started by {job.launcher}."),
         *_directives(job),
         *_comment(f"Slurm sends SIGUSR1 to this script {warn} s before the time limit. B: means this shell only: a "
                   "rank without a handler would die of it. The trap below records it in PARTITA_STOP_FILE, which "
                   "training can check to save a checkpoint in time."),
         f"#SBATCH --signal=B:USR1@{warn}",
         "",
+        *_comment("Files that training (partita.elastic) reads and writes: the stop file, which the trap below "
+                  "writes when Slurm's warning comes" + (", and the resume file, which training writes when it "
+                  "saved a checkpoint to resume from." if job.requeue else ".")),
         f'export PARTITA_STOP_FILE="{job.log_dir}/{job.job_name}-$SLURM_JOB_ID.stop"',
         *(["export PARTITA_RESUME_FILE=\"$PARTITA_STOP_FILE.resume\"",
            *_comment("A requeued job keeps its id: the files of its previous run must not stop this one."),
