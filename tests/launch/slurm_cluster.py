@@ -2,7 +2,9 @@
 
 Private ports, a private munge socket and its own SLURM_CONF keep it apart from any other Slurm on the host.
 CPUs=8 with config_overrides lets a 2-core machine run 8 tasks; proctrack/linuxproc and task/none need no
-cgroups.
+cgroups. `stop` cancels the jobs a failed test left and waits for their processes before it stops the daemons:
+slurmstepd and the ranks run in sessions of their own and outlive slurmd. KillWait=5 (Slurm's default is 30 s)
+lets a cancelled job's processes ignore SIGTERM for 5 s only.
 """
 
 import os
@@ -14,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch.daemons import end, free_port
+from launch.daemons import end, free_port, session, started_with
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 COMMANDS = ("sbatch", "srun", "sinfo", "scontrol")
@@ -46,6 +48,7 @@ SchedulerType=sched/backfill
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
+KillWait=5
 SlurmdParameters=config_overrides
 NodeName={host} CPUs=8 RealMemory=8000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
@@ -84,8 +87,18 @@ class SlurmCluster:
         """What Slurm's commands need to talk to this cluster."""
         return {"SLURM_CONF": str(self.conf)}
 
-    def _pid_files(self) -> list[Path]:
-        return [self.root / "slurmctld.pid", self.root / "slurmd.pid", self.root / "munge" / "munged.pid"]
+    def run(self, *command: str) -> subprocess.CompletedProcess:
+        """One of Slurm's commands, for this cluster."""
+        return subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, **self.env), timeout=30)
+
+    def _daemons(self) -> list[int]:
+        files = [self.root / "slurmctld.pid", self.root / "slurmd.pid", self.root / "munge" / "munged.pid"]
+        return [int(f.read_text().split()[0]) for f in files if f.exists()]
+
+    def processes(self) -> list[int]:
+        """Every process of this cluster: its daemons, and what its jobs run (slurmstepd, batch scripts, ranks)
+        or what talks to it (srun), all started with its SLURM_CONF."""
+        return started_with("SLURM_CONF", str(self.conf))
 
     def start(self) -> None:
         for sub in ("state", "spool", "log", "munge"):
@@ -104,8 +117,7 @@ class SlurmCluster:
     def _wait_idle(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            state = subprocess.run(["sinfo", "--noheader", "--format=%T"], capture_output=True, text=True,
-                                   env=dict(os.environ, **self.env)).stdout.strip()
+            state = self.run("sinfo", "--noheader", "--format=%T").stdout.strip()
             if state == "idle":
                 return
             time.sleep(0.5)
@@ -114,9 +126,25 @@ class SlurmCluster:
                            f"slurmctld log:\n{log}")
 
     def stop(self) -> None:
-        """Shut the daemons down; kill, by pid, whichever of them is still running after a grace time."""
-        pids = [int(f.read_text().split()[0]) for f in self._pid_files() if f.exists()]
-        if self.conf.exists():
-            subprocess.run(["scontrol", "shutdown"], capture_output=True, env=dict(os.environ, **self.env), timeout=30)
-        end(pids)
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Cancel every job and wait until its processes are gone, then stop the daemons. Whatever of the cluster
+        still runs then is killed by pid after a grace time, also when cancelling failed."""
+        daemons = self._daemons()
+        try:
+            self._cancel_jobs(daemons)
+        finally:
+            end([*daemons, *self.processes()])
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def _cancel_jobs(self, daemons: list[int], timeout_s: float = 20) -> None:
+        """scancel every job, and wait until slurmd and slurmstepd have ended its processes (SIGTERM, then SIGKILL
+        after KillWait): nobody ends them once the daemons are gone."""
+        if not self.conf.exists():  # the cluster never started
+            return
+        jobs = self.run("squeue", "--noheader", "--format=%A").stdout.split()
+        if jobs:
+            self.run("scancel", *jobs)
+        # the daemons' sessions hold slurmctld's helper slurmscriptd; every other session is a job's (or a client's)
+        theirs = {session(pid) for pid in daemons}
+        deadline = time.monotonic() + timeout_s
+        while any(session(p) not in theirs for p in self.processes()) and time.monotonic() < deadline:
+            time.sleep(0.2)

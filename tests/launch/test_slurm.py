@@ -7,7 +7,9 @@ import time
 
 import pytest
 
+from launch.daemons import end
 from launch.harness import BIN, PYTHON, SCRIPT, check, env, losses, output
+from launch.slurm_cluster import SlurmCluster
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +29,8 @@ def test_partita_slurm_requeues_a_job_warned_of_its_time_limit(slurm, tmp_path, 
     job id, SLURM_RESTART_COUNT 1) resumes; `partita slurm --wait` waits through it all."""
     steps = 40
     proc = subprocess.Popen([str(BIN / "partita"), "slurm", "--nodes", "1", "--ranks-per-node", "4", "--time", "5",
-                             "--launcher", launcher, "--wait", SCRIPT, str(tmp_path), "--steps", str(steps),
-                             "--step-sleep", "0.1"],
+                             "--partition", "debug", "--launcher", launcher, "--wait", SCRIPT, str(tmp_path),
+                             "--steps", str(steps), "--step-sleep", "0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(**slurm.env),
                             cwd=tmp_path)
     first = proc.stdout.readline()
@@ -70,3 +72,28 @@ def test_partita_slurm_refuses_more_nodes_than_the_cluster_has(slurm, tmp_path):
     assert "debug*: 1 node(s), 8 CPUs per node" in proc.stderr  # what the cluster has
     queue = subprocess.run(["squeue", "--noheader"], capture_output=True, text=True, env=env(**slurm.env))
     assert queue.stdout.strip() == ""  # nothing was left pending
+
+
+def test_partita_slurm_refuses_a_partition_the_cluster_lacks(slurm, tmp_path):
+    proc = subprocess.run([str(BIN / "partita"), "slurm", "--nodes", "1", "--ranks-per-node", "1", "--partition", "gpu",
+                           SCRIPT], capture_output=True, text=True, env=env(**slurm.env), cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, output(proc)
+    assert "Slurm cannot run this job: sbatch: error: invalid partition specified: gpu" in proc.stderr, output(proc)
+    assert "debug*: 1 node(s)" in proc.stderr and "or another --partition" in proc.stderr  # what the cluster has
+
+
+def test_stopping_the_test_cluster_ends_the_jobs_that_a_failed_test_left():
+    """slurmstepd and a job's processes outlive the daemons: stop() must cancel the job and wait for them."""
+    cluster = SlurmCluster()  # a cluster of this test's own: the session's one serves the other tests
+    try:
+        cluster.start()
+        submitted = cluster.run("sbatch", "--parsable", f"--chdir={cluster.root}", "--wrap", "srun sleep 300")
+        assert submitted.returncode == 0, submitted.stderr
+        # scontrol listpids: PID JOBID STEPID ...; a line of step 0 once srun's task runs
+        wait_for(lambda: re.search(r"^\d+\s+\d+\s+0\s", cluster.run("scontrol", "listpids").stdout, re.M),
+                 "the job's step to run")
+    finally:
+        cluster.stop()
+    left = cluster.processes()
+    end(left)  # what a broken stop() left, so that this test leaves nothing either way
+    assert left == []
