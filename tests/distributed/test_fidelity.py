@@ -3,12 +3,25 @@
 import pytest
 
 
-def check(results: list[dict]) -> dict:
-    """Every rank's every comparison within tolerance; return rank 0's report."""
+TRAINED = ("loss", "grad", "param", "optimizer", "state_dict")  # what every training run compares
+
+
+def check(results: list[dict], *also: str, expect: tuple[str, ...] = TRAINED) -> dict:
+    """Every rank compared every kind of quantity expected (`expect` and `also`), each within tolerance;
+    return rank 0's report. A kind never compared fails: a comparison that silently stops happening must
+    not pass."""
     for rank, r in enumerate(results):
+        missing = sorted(set(expect + also) - set(r["diffs"]))
+        assert not missing, f"rank {rank}: nothing of kind {missing} was compared"
         for kind, v in r["diffs"].items():
-            assert v["excess"] <= 0, f"rank {rank}: {kind} differs beyond tolerance at {v['worst']} (by {v['excess']:.3g})"
+            assert v["excess"] <= 0, \
+                f"rank {rank}: {kind} differs beyond tolerance at {v['worst']} (by {v['excess']:.3g})"
     return results[0]
+
+
+def returned(style: str) -> tuple[str, ...]:
+    """What a run compares beyond TRAINED because of its call style: the outputs, when they come back."""
+    return ("output",) if style == "outputs" else ()
 
 
 MATRIX = [  # world, stages, schedule
@@ -24,7 +37,7 @@ MATRIX = [  # world, stages, schedule
 @pytest.mark.parametrize("world,stages,schedule", MATRIX)
 def test_mlp_matrix(pools, world, stages, schedule, style, optimizer):
     r = check(pools.run(world, "support.cases:fidelity", "mlp", style=style, optimizer=optimizer,
-                        stages=stages, schedule=schedule))
+                        stages=stages, schedule=schedule), *returned(style))
     assert r["plan"][:2] == (stages, world // stages)
 
 
@@ -35,43 +48,43 @@ ZOO = ["lenet", "forkjoin", "shared_input", "shared_linear", "tied_embedding", "
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_two_stages(pools, name):
     """Each model split in two stages (world 2), trained with the loss computed by partita."""
-    r = check(pools.run(2, "support.cases:fidelity", name, stages=2, eval_batch=4))
+    r = check(pools.run(2, "support.cases:fidelity", name, stages=2, eval_batch=4), "eval")
     assert r["plan"][0] == 2
 
 
 @pytest.mark.parametrize("name", ["shared_linear", "tied_embedding", "gpt", "forkjoin"])
 def test_zoo_stages_and_replicas(pools, name):
     """Two stages x two replicas (world 4), outputs returned to the caller, SGD with momentum."""
-    check(pools.run(4, "support.cases:fidelity", name, stages=2, replicas=2, style="outputs", optimizer="sgd"))
+    check(pools.run(4, "support.cases:fidelity", name, stages=2, replicas=2, style="outputs", optimizer="sgd"),
+          "output")
 
 
 def test_batchnorm_buffers_match_one_process(pools):
     """BatchNorm sees the whole batch (one replica, one micro-batch): running stats equal one process's."""
     r = check(pools.run(2, "support.cases:fidelity", "batchnorm", stages=2, replicas=1, micro_batches=1,
-                        eval_batch=4))
+                        eval_batch=4), "eval")
     assert r["diffs"]["state_dict"]["checked"] >= 6  # running_mean, running_var, num_batches_tracked x 2
 
 
 def test_model_that_returns_its_loss(pools):
-    r = check(pools.run(2, "support.cases:fidelity", "loss_out", stages=2, style="outputs", eval_batch=4))
-    assert "loss" in r["diffs"]
+    check(pools.run(2, "support.cases:fidelity", "loss_out", stages=2, style="outputs", eval_batch=4), "eval")
 
 
 def test_model_without_parameters(pools):
     """No parameters: the outputs and the input gradients must still match."""
-    r = check(pools.run(2, "support.cases:fidelity", "no_params", stages=2, style="outputs", input_grad=True))
-    assert r["diffs"]["input_grad"]["checked"] > 0
+    check(pools.run(2, "support.cases:fidelity", "no_params", stages=2, style="outputs", input_grad=True),
+          "output", "input_grad", expect=("loss",))
 
 
 def test_input_gradients_with_loss_fn(pools):
-    r = check(pools.run(4, "support.cases:fidelity", "mlp", stages=2, replicas=2, input_grad=True))
-    assert r["diffs"]["input_grad"]["checked"] > 0
+    check(pools.run(4, "support.cases:fidelity", "mlp", stages=2, replicas=2, input_grad=True), "input_grad")
 
 
 @pytest.mark.parametrize("style", ["loss_fn", "outputs"])
 def test_gradient_accumulation(pools, style):
     """Two forward/backward calls per optimizer step."""
-    check(pools.run(4, "support.cases:fidelity", "mlp", stages=2, replicas=2, style=style, accumulate=2))
+    check(pools.run(4, "support.cases:fidelity", "mlp", stages=2, replicas=2, style=style, accumulate=2),
+          *returned(style))
 
 
 def test_state_dict_round_trip_into_another_plan(pools):

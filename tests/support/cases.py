@@ -8,6 +8,7 @@ API (get_param_grad, get_param, optimizer.state_dict), so the comparison also co
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.utils._pytree as pytree
@@ -26,20 +27,36 @@ class Diffs:
         self.count: dict[str, int] = {}
 
     def add(self, kind: str, what: str, got, want) -> None:
+        excess, why = _excess(got, want)
+        self._record(kind, f"{what} ({why})" if why else what, excess)
+
+    def fail(self, kind: str, what: str) -> None:
+        """A difference that is not a number: another structure, other keys."""
+        self._record(kind, what, math.inf)
+
+    def _record(self, kind: str, what: str, excess: float) -> None:
         self.count[kind] = self.count.get(kind, 0) + 1
-        if got is None or want is None:
-            excess = 0.0 if (got is None) == (want is None) else float("inf")
-        else:
-            got, want = got.detach().double(), want.detach().double()
-            if got.shape != want.shape:
-                excess = float("inf")
-            else:
-                excess = float(((got - want).abs() - (ATOL + RTOL * want.abs())).max()) if got.numel() else -1.0
         if kind not in self.worst or excess > self.worst[kind][0]:
             self.worst[kind] = (excess, what)
 
     def result(self) -> dict:
         return {k: {"excess": v[0], "worst": v[1], "checked": self.count[k]} for k, v in self.worst.items()}
+
+
+def _excess(got, want) -> tuple[float, str]:
+    """By how much |got - want| exceeds atol + rtol * |want| at worst (<= 0: within tolerance), and why it is
+    infinite when it is."""
+    if got is None or want is None:
+        return (0.0, "") if (got is None) == (want is None) else (math.inf, "None on one side only")
+    got, want = got.detach().double(), want.detach().double()
+    if got.shape != want.shape:
+        return math.inf, f"shape {tuple(got.shape)}, want {tuple(want.shape)}"
+    if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        # NaN compares False with everything, so it would never become the worst value: fail it here
+        return math.inf, "not finite"
+    if not got.numel():
+        return -1.0, ""
+    return float(((got - want).abs() - (ATOL + RTOL * want.abs())).max()), ""
 
 
 def _rows(tree, sl):
@@ -180,7 +197,7 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
 
 def _compare_state(d: Diffs, got: dict, want: dict) -> None:
     if set(got["state"]) != set(want["state"]):
-        d.add("optimizer", f"state keys {sorted(got['state'])} vs {sorted(want['state'])}", None, torch.zeros(1))
+        d.fail("optimizer", f"state keys {sorted(got['state'])} vs {sorted(want['state'])}")
         return
     for i, state in want["state"].items():
         for k, v in state.items():
