@@ -15,6 +15,7 @@ import sys
 import uuid
 
 from partita.errors import LaunchError
+from partita.launch.threads import cores_per_rank, usable_cores
 from partita.morph.stop import RESUME_EXIT_CODE
 
 
@@ -68,8 +69,8 @@ def run(args) -> int:
         print(f"partita run: --nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT and --rdzv-id on every node: "
               "without them no other node finds this one, and the job would wait for them.", file=sys.stderr)
         return 2
-    cores = os.cpu_count() or 1
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.nproc)))
+    # each rank's share of the cores this command may run on (its CPU affinity), unless the user chose
+    os.environ.setdefault("OMP_NUM_THREADS", str(cores_per_rank(usable_cores(), args.nproc)))
     # torch 2.13's agents share one store across rendezvous rounds, and a node that joins a running job (round 1
     # or later) waits forever for the store address that only the first round publishes (pytorch#135712):
     # each round gets a store of its own instead, hosted by its rank 0 on a fresh port

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from partita.errors import LaunchError
-from partita.launch import mpi, peers, ray_worker, rendezvous, slurm, torchrun
+from partita.launch import mpi, peers, ray_worker, rendezvous, slurm, threads, torchrun
 from partita.launch.placement import Join, Placement
 
 log = logging.getLogger("partita")
@@ -65,10 +65,11 @@ def detect(environ: dict) -> Placement:
 
 
 def _set_cpu_threads(local_world_size: int) -> None:
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // max(1, local_world_size)))
+    """This rank's share of the node's cores as torch's threads, unless the user chose them (threads.py)."""
+    count = threads.threads_per_rank(threads.usable_cores(), local_world_size, os.environ,
+                                     threads.launcher_environ(os.environ))
+    if count is not None:
+        torch.set_num_threads(count)
 
 
 def _join(me: Placement, backend: str, device: torch.device) -> None:
