@@ -1,22 +1,32 @@
 """Training across processes equals training in one process (fp32, rtol 1e-5, atol 1e-6)."""
 
+import dataclasses
+
 import pytest
 
+from partita.plan.plan import Plan
 
 TRAINED = ("loss", "grad", "param", "optimizer", "state_dict")  # what every training run compares
 
 
 def check(results: list[dict], *also: str, expect: tuple[str, ...] = TRAINED) -> dict:
-    """Every rank compared every kind of quantity expected (`expect` and `also`), each within tolerance;
-    return rank 0's report. A kind never compared fails: a comparison that silently stops happening must
-    not pass."""
+    """Every rank compared every kind of quantity expected (`expect` and `also`), each within tolerance, and
+    got the same global losses bit for bit; return rank 0's report. A kind never compared fails: a comparison
+    that silently stops happening must not pass."""
     for rank, r in enumerate(results):
         missing = sorted(set(expect + also) - set(r["diffs"]))
         assert not missing, f"rank {rank}: nothing of kind {missing} was compared"
         for kind, v in r["diffs"].items():
             assert v["excess"] <= 0, \
                 f"rank {rank}: {kind} differs beyond tolerance at {v['worst']} (by {v['excess']:.3g})"
+        assert r["losses"] == results[0]["losses"], \
+            f"the global loss differs between rank 0 and rank {rank}: {results[0]['losses']} vs {r['losses']}"
     return results[0]
+
+
+def fidelity(pools, world: int, name: str, *also: str, expect: tuple[str, ...] = TRAINED, **options) -> dict:
+    """support.cases.fidelity on every rank of a `world`-rank pool, checked (see check)."""
+    return check(pools.run(world, "support.cases:fidelity", name, **options), *also, expect=expect)
 
 
 def returned(style: str) -> tuple[str, ...]:
@@ -24,21 +34,25 @@ def returned(style: str) -> tuple[str, ...]:
     return ("output",) if style == "outputs" else ()
 
 
-MATRIX = [  # world, stages, schedule
-    (1, 1, None), (2, 1, None), (4, 1, None),
-    (2, 2, "GPipe"), (2, 2, "1F1B"),
-    (4, 2, "GPipe"), (4, 2, "1F1B"),
-    (4, 4, "GPipe"), (4, 4, "1F1B"),
+MATRIX = [  # world, stages, schedule, micro-batches: more than one wherever there is a pipeline to fill
+    (1, 1, None, 1), (2, 1, None, 1), (4, 1, None, 1),
+    (2, 2, "GPipe", 4), (2, 2, "1F1B", 4),
+    (4, 2, "GPipe", 4), (4, 2, "1F1B", 4),
+    (4, 4, "GPipe", 4), (4, 4, "1F1B", 4),
 ]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("style", ["loss_fn", "outputs"])
-@pytest.mark.parametrize("world,stages,schedule", MATRIX)
-def test_mlp_matrix(pools, world, stages, schedule, style, optimizer):
-    r = check(pools.run(world, "support.cases:fidelity", "mlp", style=style, optimizer=optimizer,
-                        stages=stages, schedule=schedule), *returned(style))
-    assert r["plan"][:2] == (stages, world // stages)
+@pytest.mark.parametrize("world,stages,schedule,micro_batches", MATRIX)
+def test_mlp_matrix(pools, world, stages, schedule, micro_batches, style, optimizer):
+    r = fidelity(pools, world, "mlp", *returned(style), style=style, optimizer=optimizer, stages=stages,
+                 schedule=schedule, micro_batches=micro_batches)
+    stages_, replicas, micro_batches_, schedule_ = r["plan"]
+    assert (stages_, replicas, micro_batches_) == (stages, world // stages, micro_batches)
+    assert schedule is None or schedule_ == schedule
+    if style == "loss_fn":
+        assert len(r["losses"]) == 3  # one global loss per step, the same bits on every rank (check)
 
 
 ZOO = ["lenet", "forkjoin", "shared_input", "shared_linear", "tied_embedding", "keywords", "embedding", "gpt",
@@ -48,49 +62,105 @@ ZOO = ["lenet", "forkjoin", "shared_input", "shared_linear", "tied_embedding", "
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_two_stages(pools, name):
     """Each model split in two stages (world 2), trained with the loss computed by partita."""
-    r = check(pools.run(2, "support.cases:fidelity", name, stages=2, eval_batch=4), "eval")
+    r = fidelity(pools, 2, name, "eval", stages=2, eval_batch=4)
     assert r["plan"][0] == 2
 
 
 @pytest.mark.parametrize("name", ["shared_linear", "tied_embedding", "gpt", "forkjoin"])
 def test_zoo_stages_and_replicas(pools, name):
     """Two stages x two replicas (world 4), outputs returned to the caller, SGD with momentum."""
-    check(pools.run(4, "support.cases:fidelity", name, stages=2, replicas=2, style="outputs", optimizer="sgd"),
-          "output")
+    fidelity(pools, 4, name, "output", stages=2, replicas=2, style="outputs", optimizer="sgd")
+
+
+def test_hf_model_output_comes_back_whole(pools):
+    """Without loss_fn, an HF ModelOutput comes back with its type, keys and nesting (logits and a tuple of
+    hidden states), each tensor this rank's rows of the reference's."""
+    fidelity(pools, 2, "hf_gpt2", "output", stages=2, style="outputs", steps=1,
+             call_kwargs={"output_hidden_states": True})
 
 
 def test_batchnorm_buffers_match_one_process(pools):
     """BatchNorm sees the whole batch (one replica, one micro-batch): running stats equal one process's."""
-    r = check(pools.run(2, "support.cases:fidelity", "batchnorm", stages=2, replicas=1, micro_batches=1,
-                        eval_batch=4), "eval")
+    r = fidelity(pools, 2, "batchnorm", "eval", stages=2, replicas=1, micro_batches=1, eval_batch=4)
     assert r["diffs"]["state_dict"]["checked"] >= 6  # running_mean, running_var, num_batches_tracked x 2
 
 
+def test_batchnorm_replicas_keep_one_set_of_statistics(pools):
+    """2 stages x 2 replicas: each replica normalizes by its own rows' statistics, and every replica takes
+    replica 0's running statistics (DDP's rule). The reference computes exactly that in one process; the
+    statistics of the whole batch would differ."""
+    r = fidelity(pools, 4, "batchnorm", "output", "eval", stages=2, replicas=2, micro_batches=1,
+                 schedule="GPipe", style="outputs", optimizer="sgd", statistics_replicas=2, eval_batch=4)
+    assert r["plan"][:3] == (2, 2, 1)
+
+
 def test_model_that_returns_its_loss(pools):
-    check(pools.run(2, "support.cases:fidelity", "loss_out", stages=2, style="outputs", eval_batch=4), "eval")
+    fidelity(pools, 2, "loss_out", "eval", stages=2, style="outputs", eval_batch=4)
 
 
 def test_model_without_parameters(pools):
     """No parameters: the outputs and the input gradients must still match."""
-    check(pools.run(2, "support.cases:fidelity", "no_params", stages=2, style="outputs", input_grad=True),
-          "output", "input_grad", expect=("loss",))
+    fidelity(pools, 2, "no_params", "output", "input_grad", expect=("loss",), stages=2, style="outputs",
+             input_grad=True)
 
 
 def test_input_gradients_with_loss_fn(pools):
-    check(pools.run(4, "support.cases:fidelity", "mlp", stages=2, replicas=2, input_grad=True), "input_grad")
+    fidelity(pools, 4, "mlp", "input_grad", stages=2, replicas=2, input_grad=True)
 
 
 @pytest.mark.parametrize("style", ["loss_fn", "outputs"])
 def test_gradient_accumulation(pools, style):
     """Two forward/backward calls per optimizer step."""
-    check(pools.run(4, "support.cases:fidelity", "mlp", stages=2, replicas=2, style=style, accumulate=2),
-          *returned(style))
+    fidelity(pools, 4, "mlp", *returned(style), stages=2, replicas=2, style=style, accumulate=2)
+
+
+@pytest.mark.parametrize("style", ["loss_fn", "outputs"])
+def test_no_grad_and_eval_run_forward_only_under_the_same_plan(pools, style):
+    """torch.no_grad() in train mode, then eval(), each at another batch size than training: outputs (or the
+    loss) equal the reference's, nothing requires grad, and the plan object stays the one in use."""
+    fidelity(pools, 2, "mlp", "no_grad", "eval", *returned(style), style=style, steps=1, stages=2,
+             micro_batches=2, schedule="1F1B", no_grad_batch=4, eval_batch=2)
+
+
+@pytest.mark.parametrize("lr_schedule,optimizer", [("StepLR", "sgd"), ("LambdaLR", "adam")])
+def test_lr_scheduler_keeps_working(pools, lr_schedule, optimizer):
+    """The user's LR scheduler steps the optimizer partita patched, on a pipelined plan."""
+    r = fidelity(pools, 2, "mlp", lr_schedule=lr_schedule, optimizer=optimizer, stages=2, micro_batches=2,
+                 schedule="1F1B")
+    assert r["lr_factor"] == 0.5 ** 3
+
+
+RELOADED = ("reload param", "reload optimizer")
 
 
 def test_state_dict_round_trip_into_another_plan(pools):
     """Model and optimizer state saved under 2 stages x 2 replicas load into a fresh 4-stage run."""
-    r = check(pools.run(4, "support.cases:fidelity", "gpt", stages=2, replicas=2, roundtrip={"stages": 4}))
-    assert any("after reload" in v["worst"] or v["checked"] for v in r["diffs"].values())
+    r = fidelity(pools, 4, "gpt", *RELOADED, stages=2, replicas=2, roundtrip={"stages": 4})
+    assert r["plan"][:2] == (2, 2) and r["reload_plan"][:2] == (4, 1)
+
+
+DDP = {"stages": 1, "micro_batches": 1}
+PIPELINE = {"stages": 2, "micro_batches": 2, "schedule": "1F1B"}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("before,after", [(DDP, PIPELINE), (PIPELINE, DDP)], ids=["ddp-to-pipeline",
+                                                                                  "pipeline-to-ddp"])
+def test_optimizer_state_round_trip_between_ddp_and_pipeline(pools, optimizer, before, after):
+    """SGD's momentum and Adam's moments and step count, saved under one plan, load into a fresh optimizer of
+    a fresh parallelize call under the other; training goes on as in one process."""
+    r = fidelity(pools, 2, "mlp", *RELOADED, optimizer=optimizer, steps=1, roundtrip=after, **before)
+    assert r["plan"][:3] == (before["stages"], 2 // before["stages"], before["micro_batches"])
+    assert r["reload_plan"][:3] == (after["stages"], 2 // after["stages"], after["micro_batches"])
+
+
+def test_plan_given_as_an_object(pools):
+    """plan= takes a Plan object (here one the planner would not make: 4 micro-batches where it chose 2)."""
+    made = Plan.from_json(pools.run(2, "support.cases:fidelity", "mlp", steps=1, stages=2, micro_batches=2,
+                                    schedule="GPipe")[0]["plan_json"])
+    given = dataclasses.replace(made, num_microbatches=4)
+    r = fidelity(pools, 2, "mlp", steps=1, plan=given)
+    assert Plan.from_json(r["plan_json"]) == given
 
 
 @pytest.mark.parametrize("schedule,stages", [("Interleaved1F1B", 4), ("LoopedBFS", 4),
@@ -98,12 +168,5 @@ def test_state_dict_round_trip_into_another_plan(pools):
                                              ("DualPipeV", 4)])
 def test_more_schedules(pools, schedule, stages):
     """Schedules that put two stages on each rank (world 2)."""
-    r = check(pools.run(2, "support.cases:fidelity", "mlp", stages=stages, schedule=schedule))
+    r = fidelity(pools, 2, "mlp", stages=stages, schedule=schedule)
     assert r["plan"][3] == schedule
-
-
-def test_batchnorm_replicas_keep_one_set_of_statistics(pools):
-    """With 2 replicas, eval on every rank uses the statistics state_dict() returns (replica 0's, as DDP)."""
-    for r in pools.run(4, "support.cases:batchnorm_replicas", 2):
-        assert r["replicas"] == 2 and r["stats_moved"] > 0
-        assert r["max_diff"] <= 1e-6, r

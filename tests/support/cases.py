@@ -8,13 +8,14 @@ API (get_param_grad, get_param, optimizer.state_dict), so the comparison also co
 from __future__ import annotations
 
 import copy
+import io
 import math
 
 import torch
 import torch.utils._pytree as pytree
 
 import partita
-from support.zoo import CASES
+from support.zoo import CASES, Case
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -63,10 +64,6 @@ def _rows(tree, sl):
     return pytree.tree_map(lambda t: t[sl] if isinstance(t, torch.Tensor) else t, tree)
 
 
-def _logits(out):
-    return out.logits if hasattr(out, "logits") else out
-
-
 def _optimizer(kind: str, model: torch.nn.Module):
     if not list(model.parameters()):
         return _NoOptimizer()
@@ -98,111 +95,230 @@ class _NoOptimizer:
 
 
 def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", steps: int = 3,
-             accumulate: int = 1, local_batch: int = 8, input_grad: bool = False, roundtrip: dict | None = None,
-             eval_batch: int | None = None, **plan_args) -> dict:
-    """Train `steps` steps with partita and in one process; report the worst differences."""
-    rank, world = partita.get_rank(), partita.get_world_size()
+             accumulate: int = 1, local_batch: int = 8, input_grad: bool = False, call_kwargs: dict | None = None,
+             lr_schedule: str | None = None, statistics_replicas: int = 1, roundtrip: dict | None = None,
+             eval_batch: int | None = None, no_grad_batch: int | None = None, **plan_args) -> dict:
+    """Train `steps` steps with partita and in one process; report the worst differences, the plans used and
+    the global losses partita returned (as float.hex, to compare ranks bit for bit).
+
+    call_kwargs: constant keyword arguments added to every call (output_hidden_states=True, say).
+    lr_schedule: "StepLR" or "LambdaLR" on both sides, each halving the learning rate every step.
+    statistics_replicas: the reference takes BatchNorm statistics per replica of the global batch and keeps
+        replica 0's running statistics (DDP's rule) instead of using the whole batch.
+    roundtrip: parallelize arguments of a fresh run that loads both state dicts and trains one more step.
+    eval_batch, no_grad_batch: rows per rank of a call under torch.no_grad() after training, in eval mode or
+        in train mode.
+    """
+    if lr_schedule and roundtrip:
+        raise ValueError("lr_schedule and roundtrip do not combine: the fresh run has no scheduler")
     case = CASES[name]
     torch.manual_seed(0)
     model = case.make()
     ref = copy.deepcopy(model)
     opt, ref_opt = _optimizer(optimizer, model), _optimizer(optimizer, ref)
     loss_fn = case.loss_fn if style == "loss_fn" else None
-    pm = partita.parallelize(model, opt if isinstance(opt, torch.optim.Optimizer) else None, loss_fn=loss_fn,
-                             **plan_args)
-    d = Diffs()
-    gen = torch.Generator().manual_seed(1)
-    names = list(dict(ref.named_parameters()))
-    mine = slice(rank * local_batch, (rank + 1) * local_batch)
-
-    def train(pm, opt, label):
-        for a in range(accumulate):
-            args, kwargs, target = case.batch(world * local_batch, gen)
-            if input_grad:
-                args = tuple(t.requires_grad_() for t in args)
-            largs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in _rows(args, mine))
-            lkwargs, ltarget = _rows(kwargs, mine), target[mine]
-            if style == "loss_fn":
-                loss = pm(*largs, ltarget, **lkwargs)
-                ref_loss = case.loss_fn(ref(*args, **kwargs), target)
-                d.add("loss", label, loss, ref_loss)
-            else:
-                out = pm(*largs, **lkwargs)
-                ref_out = ref(*args, **kwargs)
-                if torch.is_tensor(ref_out) and ref_out.dim() == 0:  # the model returns its own loss
-                    loss, ref_loss = out, ref_out
-                    d.add("loss", label, loss, ref_loss)
-                else:
-                    d.add("output", label, _logits(out), _logits(ref_out)[mine])
-                    loss = case.user_loss(out, ltarget)
-                    ref_loss = sum(case.user_loss(_rows(ref_out, slice(r * local_batch, (r + 1) * local_batch)),
-                                                  target[r * local_batch:(r + 1) * local_batch])
-                                   for r in range(world)) / world
-                    d.add("loss", label, loss, case.user_loss(_rows(ref_out, mine), ltarget))
-            loss.backward()
-            ref_loss.backward()
-            if input_grad:
-                for k, (x, rx) in enumerate(zip(largs, args)):
-                    # with loss_fn the global mean's gradient; without, the rank's own loss (as DDP)
-                    want = rx.grad[mine] * (1 if style == "loss_fn" else world)
-                    d.add("input_grad", f"{label} input {k}", x.grad, want)
-                    rx.grad = None
-        for n in names:
-            d.add("grad", f"{label} {n}", pm.get_param_grad(n), ref.get_parameter(n).grad)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-
+    pm = partita.parallelize(model, _real(opt), loss_fn=loss_fn, **plan_args)
+    side = _SideBySide(case, style, ref, ref_opt, local_batch, accumulate, input_grad, call_kwargs or {},
+                       statistics_replicas, _scheduler(lr_schedule, ref_opt))
+    sched = _scheduler(lr_schedule, opt)
     for step in range(steps):
-        train(pm, opt, f"step {step}")
-    for n in names:
-        d.add("param", n, pm.get_param(n), ref.get_parameter(n))
-    _compare_state(d, opt.state_dict(), ref_opt.state_dict())
+        side.step(pm, opt, sched, f"step {step}")
+    side.compare_model(pm, opt)
     full = pm.state_dict()
     for n, t in ref.state_dict().items():
-        d.add("state_dict", n, full[n], t)
-
+        side.diffs.add("state_dict", n, full[n], t)
+    report = {"plan": _summary(pm.plan), "plan_json": pm.plan.to_json(),
+              "lr_factor": opt.param_groups[0]["lr"] / opt.defaults["lr"] if sched else None}
     if roundtrip is not None:
-        osd = opt.state_dict()
-        torch.manual_seed(123)
-        fresh = case.make()
-        fresh_opt = _optimizer(optimizer, fresh)
-        pm = partita.parallelize(fresh, fresh_opt if isinstance(fresh_opt, torch.optim.Optimizer) else None,
-                                 loss_fn=loss_fn, **roundtrip)
-        pm.load_state_dict(full)
-        fresh_opt.load_state_dict(osd)
-        train(pm, fresh_opt, "after reload")
-        for n in names:
-            d.add("param", f"after reload {n}", pm.get_param(n), ref.get_parameter(n))
-
+        report["reload_plan"] = _summary(_continue_in_fresh_run(side, pm, opt, optimizer, loss_fn, roundtrip))
     if eval_batch is not None:
-        pm.eval()
-        ref.eval()
-        args, kwargs, target = case.batch(world * eval_batch, gen)
-        rows = slice(rank * eval_batch, (rank + 1) * eval_batch)
-        with torch.no_grad():
-            if style == "loss_fn":
-                d.add("eval", "loss", pm(*_rows(args, rows), target[rows], **_rows(kwargs, rows)),
-                      case.loss_fn(ref(*args, **kwargs), target))
+        side.forward_only(pm, "eval", eval_batch, training=False)
+    if no_grad_batch is not None:
+        side.forward_only(pm, "no_grad", no_grad_batch, training=True)
+    return {"diffs": side.diffs.result(), "losses": side.losses, **report}
+
+
+def _real(optimizer):
+    """The optimizer to give parallelize: none for a model without parameters."""
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
+def _scheduler(kind: str | None, optimizer):
+    if kind is None:
+        return None
+    if kind == "StepLR":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    if kind == "LambdaLR":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    raise KeyError(kind)
+
+
+def _summary(plan) -> tuple:
+    return plan.num_stages, plan.num_replicas, plan.num_microbatches, plan.schedule
+
+
+def _through_bytes(state: dict) -> dict:
+    """The state as a file would give it back: saved, loaded, sharing no tensor with the original."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _continue_in_fresh_run(side: "_SideBySide", pm, opt, optimizer: str, loss_fn, plan_args: dict):
+    """Load the model's and the optimizer's state dicts into a fresh model, optimizer and parallelize call
+    (other initial weights, other plan arguments); its next step must continue the reference. Returns its plan."""
+    model_state, optimizer_state = _through_bytes(pm.state_dict()), _through_bytes(opt.state_dict())
+    torch.manual_seed(123)
+    fresh = side.case.make()
+    fresh_opt = _optimizer(optimizer, fresh)
+    fresh_pm = partita.parallelize(fresh, _real(fresh_opt), loss_fn=loss_fn, **plan_args)
+    fresh_pm.load_state_dict(model_state)
+    fresh_opt.load_state_dict(optimizer_state)
+    side.step(fresh_pm, fresh_opt, None, "after reload")
+    side.compare_model(fresh_pm, fresh_opt, "reload ")
+    return fresh_pm.plan
+
+
+class _SideBySide:
+    """partita's model and the one-process reference, called on the same global batches. Differences go to
+    `diffs`; the global losses partita returns (every rank must get the same bits) to `losses`."""
+
+    def __init__(self, case: Case, style: str, ref: torch.nn.Module, ref_opt, local_batch: int, accumulate: int,
+                 input_grad: bool, call_kwargs: dict, statistics_replicas: int, ref_sched):
+        self.case, self.style, self.ref, self.ref_opt, self.ref_sched = case, style, ref, ref_opt, ref_sched
+        self.local_batch, self.accumulate, self.input_grad = local_batch, accumulate, input_grad
+        self.call_kwargs, self.statistics_replicas = call_kwargs, statistics_replicas
+        self.rank, self.world = partita.get_rank(), partita.get_world_size()
+        self.names = list(dict(ref.named_parameters()))
+        self.gen = torch.Generator().manual_seed(1)
+        self.diffs = Diffs()
+        self.losses: list[str] = []
+
+    def _batch(self, rows_per_rank: int) -> tuple[tuple, dict, torch.Tensor, slice]:
+        """A global batch and this rank's rows of it."""
+        args, kwargs, target = self.case.batch(self.world * rows_per_rank, self.gen)
+        return args, {**kwargs, **self.call_kwargs}, target, self._rank_rows(rows_per_rank)[self.rank]
+
+    def _global_loss(self, kind: str, label: str, loss: torch.Tensor, want: torch.Tensor) -> None:
+        self.diffs.add(kind, label, loss, want)
+        self.losses.append(float(loss).hex())
+
+    def step(self, pm, opt, sched, label: str) -> None:
+        """One optimizer step on both sides (`accumulate` forward/backward calls first); compares losses,
+        outputs, input gradients and every parameter's gradient."""
+        for _ in range(self.accumulate):
+            self._forward_backward(pm, label)
+        for n in self.names:
+            self.diffs.add("grad", f"{label} {n}", pm.get_param_grad(n), self.ref.get_parameter(n).grad)
+        opt.step()
+        self.ref_opt.step()
+        if sched is not None:
+            sched.step()
+            self.ref_sched.step()
+        opt.zero_grad()
+        self.ref_opt.zero_grad()
+
+    def _forward_backward(self, pm, label: str) -> None:
+        args, kwargs, target, mine = self._batch(self.local_batch)
+        if self.input_grad:
+            args = tuple(t.requires_grad_() for t in args)
+        largs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in _rows(args, mine))
+        lkwargs, ltarget = _rows(kwargs, mine), target[mine]
+        ref_out = self._reference(args, kwargs)
+        if self.style == "loss_fn":
+            loss, ref_loss = pm(*largs, ltarget, **lkwargs), self.case.loss_fn(ref_out, target)
+            self._global_loss("loss", label, loss, ref_loss)
+        elif torch.is_tensor(ref_out) and ref_out.dim() == 0:  # the model returns its own loss: a global mean
+            loss, ref_loss = pm(*largs, **lkwargs), ref_out
+            self._global_loss("loss", label, loss, ref_loss)
+        else:
+            out = pm(*largs, **lkwargs)
+            self._compare_outputs("output", label, out, _rows(ref_out, mine))
+            loss = self.case.user_loss(out, ltarget)
+            self.diffs.add("loss", label, loss, self.case.user_loss(_rows(ref_out, mine), ltarget))
+            # as with DDP: each rank's own loss, gradients averaged over ranks
+            ref_loss = sum(self.case.user_loss(_rows(ref_out, rows), target[rows])
+                           for rows in self._rank_rows(self.local_batch)) / self.world
+        loss.backward()
+        ref_loss.backward()
+        if self.input_grad:
+            for k, (x, rx) in enumerate(zip(largs, args)):
+                # with loss_fn the global mean's gradient; without, the rank's own loss (as DDP)
+                want = rx.grad[mine] * (1 if self.style == "loss_fn" else self.world)
+                self.diffs.add("input_grad", f"{label} input {k}", x.grad, want)
+                rx.grad = None
+
+    def _rank_rows(self, rows_per_rank: int) -> list[slice]:
+        return [slice(r * rows_per_rank, (r + 1) * rows_per_rank) for r in range(self.world)]
+
+    def _reference(self, args: tuple, kwargs: dict):
+        """The one-process forward on the global batch; with statistics_replicas, as DDP computes it: each
+        replica's rows normalized by their own batch statistics, only replica 0's running statistics kept
+        (every replica takes them before each call)."""
+        if self.statistics_replicas == 1:
+            return self.ref(*args, **kwargs)
+        per_replica = self.world // self.statistics_replicas * self.local_batch
+        outs = []
+        for j in range(self.statistics_replicas):
+            rows = slice(j * per_replica, (j + 1) * per_replica)
+            a, k = _rows(args, rows), _rows(kwargs, rows)
+            if j == 0:
+                outs.append(self.ref(*a, **k))
             else:
-                out = pm(*_rows(args, rows), **_rows(kwargs, rows))
-                ref_out = ref(*args, **kwargs)
-                want = ref_out if torch.is_tensor(ref_out) and ref_out.dim() == 0 else _logits(ref_out)[rows]
-                d.add("eval", "output", _logits(out), want)
+                scratch = {n: b.clone() for n, b in self.ref.named_buffers()}
+                outs.append(torch.func.functional_call(self.ref, scratch, a, k))
+        return pytree.tree_map(lambda *parts: torch.cat(parts), *outs)
+
+    def _compare_outputs(self, kind: str, label: str, got, want) -> None:
+        """The same structure (types, keys, nesting) and every tensor within tolerance."""
+        got_leaves, got_spec = pytree.tree_flatten_with_path(got)
+        want_leaves, want_spec = pytree.tree_flatten_with_path(want)
+        if got_spec != want_spec:
+            self.diffs.fail(kind, f"{label}: structure {got_spec}, want {want_spec}")
+            return
+        for (path, g), (_, w) in zip(got_leaves, want_leaves):
+            if torch.is_tensor(w):
+                self.diffs.add(kind, f"{label} {pytree.keystr(path)}", g, w)
+            elif g != w:
+                self.diffs.fail(kind, f"{label} {pytree.keystr(path)}: {g!r}, want {w!r}")
+
+    def compare_model(self, pm, opt, prefix: str = "") -> None:
+        """Parameters and optimizer state, gathered by partita, against the reference's."""
+        for n in self.names:
+            self.diffs.add(f"{prefix}param", n, pm.get_param(n), self.ref.get_parameter(n))
+        _compare_state(self.diffs, f"{prefix}optimizer", opt.state_dict(), self.ref_opt.state_dict())
+
+    def forward_only(self, pm, kind: str, rows_per_rank: int, training: bool) -> None:
+        """One call under torch.no_grad(), in train or eval mode, on both sides; partita must not plan again."""
+        args, kwargs, target, mine = self._batch(rows_per_rank)
+        plan = pm.plan
+        pm.train(training)
+        self.ref.train(training)
+        with torch.no_grad():
+            if self.style == "loss_fn":
+                self._global_loss(kind, "loss", pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine)),
+                                  self.case.loss_fn(self.ref(*args, **kwargs), target))
+            else:
+                out, ref_out = pm(*_rows(args, mine), **_rows(kwargs, mine)), self.ref(*args, **kwargs)
+                scalar = torch.is_tensor(ref_out) and ref_out.dim() == 0
+                self._compare_outputs(kind, "output", out, ref_out if scalar else _rows(ref_out, mine))
+                if any(torch.is_tensor(t) and t.requires_grad for t in pytree.tree_leaves(out)):
+                    self.diffs.fail(kind, "an output requires grad under torch.no_grad()")
+        if pm.plan is not plan:
+            self.diffs.fail(kind, "planned again")
         pm.train()
-    plan = pm.plan
-    return {"diffs": d.result(), "plan": (plan.num_stages, plan.num_replicas, plan.num_microbatches, plan.schedule)}
+        self.ref.train()
 
 
-def _compare_state(d: Diffs, got: dict, want: dict) -> None:
+def _compare_state(d: Diffs, kind: str, got: dict, want: dict) -> None:
     if set(got["state"]) != set(want["state"]):
-        d.fail("optimizer", f"state keys {sorted(got['state'])} vs {sorted(want['state'])}")
+        d.fail(kind, f"state keys {sorted(got['state'])} vs {sorted(want['state'])}")
         return
     for i, state in want["state"].items():
         for k, v in state.items():
             if torch.is_tensor(v):
-                d.add("optimizer", f"param {i} {k}", got["state"][i][k], v)
+                d.add(kind, f"param {i} {k}", got["state"][i][k], v)
 
 
 def bad_input(scenario: str, plan_path: str | None = None) -> dict:
@@ -257,28 +373,3 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
     except partita.PartitaError as e:
         return {"error": type(e).__name__, "message": str(e)}
     return {"error": None}
-
-
-def batchnorm_replicas(stages: int) -> dict:
-    """Train BatchNorm with several replicas; eval must use the same statistics state_dict() reports."""
-    rank, world = partita.get_rank(), partita.get_world_size()
-    case = CASES["batchnorm"]
-    torch.manual_seed(0)
-    model = case.make()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    pm = partita.parallelize(model, opt, stages=stages, replicas=partita.get_world_size() // stages)
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        (x,), _, y = case.batch(8, gen)
-        opt.zero_grad()
-        case.user_loss(pm(x), y).backward()
-        opt.step()
-    plain = case.make()
-    plain.load_state_dict(pm.state_dict())
-    pm.eval()
-    plain.eval()
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(99 + rank))
-    with torch.no_grad():
-        got, want = pm(x), plain(x)
-    return {"max_diff": float((got - want).abs().max()), "replicas": pm.plan.num_replicas,
-            "stats_moved": float(plain.bn1.running_mean.abs().max())}
