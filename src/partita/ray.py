@@ -40,8 +40,10 @@ def run(train_fn, workers: int, *, address: str | None = None, config: dict | No
         connect_timeout_s: float = 10.0, max_failures: int = 0):
     """Run `train_fn(config)` (or `train_fn()` when config is None) in `workers` Ray Train workers.
 
-    address: a running cluster ("HOST:6379", "ray://HOST:10001" or "auto"); None starts a local one for
-    this call. cpus_per_worker: default 1, or the cluster's CPUs shared by the workers when fewer.
+    address: a running cluster ("HOST:6379", "ray://HOST:10001", or "auto": the one that `ray start` started
+    last on this machine); None: RAY_ADDRESS when set, else a new local cluster for this call only, which stops
+    with it (also when `ray start` left one running here). Either address must answer within
+    `connect_timeout_s`. cpus_per_worker: default 1, or the cluster's CPUs shared by the workers when fewer.
     max_failures: how often Ray Train restarts every worker after one failed (or stopped to be resumed);
     a `train_fn` that uses `partita.elastic` continues from its latest checkpoint. Returns Ray's `Result`;
     a worker that fails once more raises Ray's `TrainingFailedError` with the worker's error.
@@ -99,23 +101,44 @@ def _run_script(path: str, args: list[str]) -> None:
 
 
 def _connect(ray, address: str | None, connect_timeout_s: float) -> None:
-    """Connect to the cluster at `address`, or start a local one, or raise a LaunchError that says why not."""
-    if address not in (None, "auto"):
-        _probe(address, connect_timeout_s)
+    """Connect to the cluster at `address`, else at RAY_ADDRESS, once it answers; else start a local cluster.
+    Raise a LaunchError that says why not."""
+    from_environment = not address and bool(os.environ.get("RAY_ADDRESS"))
+    # not ray.init(address=None): it would join the cluster that `ray start` started last on this machine, which
+    # ray.shutdown() leaves running; "local" starts one of this call's own, which ray.shutdown() stops
+    target = address or os.environ.get("RAY_ADDRESS") or "local"
+    if target != "local":
+        target = _bootstrap(target)
+        _probe(target, connect_timeout_s, from_environment)
     forwarded = {k: v for k, v in os.environ.items() if k.startswith("PARTITA_")}
-    ray.init(address=address, runtime_env={"env_vars": forwarded} if forwarded else None)
+    ray.init(address=target, runtime_env={"env_vars": forwarded} if forwarded else None)
 
 
-def _probe(address: str, timeout_s: float) -> None:
+def _bootstrap(address: str) -> str:
+    """The HOST:PORT that "auto" stands for (RAY_ADDRESS, or the cluster that `ray start` started last on this
+    machine, as Ray finds it); any other address as it is."""
+    if address != "auto":
+        return address
+    from ray._private.services import canonicalize_bootstrap_address  # what ray.init(address="auto") does
+
+    try:
+        return canonicalize_bootstrap_address("auto")
+    except ConnectionError:
+        raise LaunchError("the Ray address is auto, but no Ray cluster runs on this machine. Start one with `ray "
+                          "start --head`, pass the address of another (HOST:6379), or leave the address out to start "
+                          "a local cluster.") from None
+
+
+def _probe(address: str, timeout_s: float, from_environment: bool) -> None:
     """A bounded TCP connect first: ray.init retries an address that does not answer for a long time."""
     host, _, port = address.split("://", 1)[-1].rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except (OSError, ValueError) as e:
+        named, instead = ("RAY_ADDRESS ", "unset RAY_ADDRESS") if from_environment else ("", "leave the address out")
         raise LaunchError(
-            f"no Ray cluster answers at {address} ({e}; waited up to {timeout_s:g} s). Start one with "
-            "`ray start --head` and pass the address it prints (HOST:6379), or leave the address out to start "
-            "a local cluster."
+            f"no Ray cluster answers at {named}{address} ({e}; waited up to {timeout_s:g} s). Start one with "
+            f"`ray start --head` and pass the address it prints (HOST:6379), or {instead} to start a local cluster."
         ) from None
 
 

@@ -2,10 +2,12 @@
 
 By hand it takes tensor- and pipeline-parallel groups (`new_group`), broadcasts between them and an if/else per
 rank for each layer. With partita it is a plain model, `parallelize` and `partita.ray.run`; the 2 stages run as
-2 replicas each. Usage: python ray_2d.py RAY_ADDRESS OUT.json (rank 0 writes its losses and plan there).
+2 replicas each. Usage: python ray_2d.py OUT_DIR: on a local Ray cluster of its own; rank 0 writes its losses,
+plan and the cluster's address to OUT_DIR/out.json, and Ray keeps the run's results in OUT_DIR/ray-results.
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -41,10 +43,15 @@ def train(config):
         opt.step()
         losses.append(loss.item())
     if partita.get_rank() == 0:
+        import ray  # here, in a Ray worker: the tests import this module where Ray may be missing
+
         with open(config["out"], "w") as f:
-            json.dump({"losses": losses, "plan": model.plan.to_dict()}, f)
+            json.dump({"losses": losses, "plan": model.plan.to_dict(),
+                       "cluster": ray.get_runtime_context().gcs_address}, f)
     partita.shutdown()
 
 
 if __name__ == "__main__":
-    partita.ray.run(train, workers=4, address=sys.argv[1], config={"steps": 5, "out": sys.argv[2]})
+    out_dir = sys.argv[1]
+    partita.ray.run(train, workers=4, config={"steps": 5, "out": os.path.join(out_dir, "out.json")},
+                    storage_path=os.path.join(out_dir, "ray-results"))

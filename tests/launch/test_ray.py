@@ -1,15 +1,32 @@
-"""Ray: `partita ray` trains like one process on a running cluster; a missing Ray or a silent address is an error."""
+"""Ray: `partita ray` trains like one process on a running cluster, and `partita.ray.run` without an address on a
+cluster of its own; a missing Ray or a silent address is an error."""
 
 import json
+import shutil
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from launch import ray_2d
-from launch.daemons import free_port
+from launch.daemons import end, free_port, started_with
 from launch.harness import BIN, HERE, PYTHON, SCRIPT, check, env, losses, output
+
+
+def ray_env(ray_tmpdir: Path, **extra) -> dict:
+    """The job's environment with Ray's temp folder (RAY_TMPDIR/ray) of the test's own, and no RAY_ADDRESS of
+    the caller's."""
+    e = {k: v for k, v in env(RAY_TMPDIR=str(ray_tmpdir)).items() if k != "RAY_ADDRESS"}
+    return {**e, **extra}
+
+
+def latest_cluster(ray_tmpdir: Path, address: str) -> None:
+    """Note `address` as the cluster that `ray start` started last on this machine, where Ray looks for it."""
+    (ray_tmpdir / "ray").mkdir(parents=True, exist_ok=True)
+    (ray_tmpdir / "ray" / "ray_current_cluster").write_text(address)
 
 
 @pytest.mark.slow
@@ -28,11 +45,20 @@ def test_partita_ray_trains_like_one_process_and_restarts_after_a_failure(ray_he
 
 @pytest.mark.slow
 def test_the_2d_example_of_ray_users_is_a_plain_model_and_partita_ray_run(ray_head, tmp_path):
-    out = tmp_path / "out.json"
-    proc = subprocess.run([PYTHON, str(HERE / "ray_2d.py"), ray_head.address, str(out)], capture_output=True,
-                          text=True, env=env(), cwd=tmp_path, timeout=240)
+    """Without an address, on a local cluster of its own: not the one that `ray start` started last on this machine
+    (ray_head here), which Ray's own default would join, and nothing of it runs once the run has ended."""
+    ray_tmpdir = Path(tempfile.mkdtemp(prefix="pray", dir="/tmp"))  # short: Ray's socket paths are limited to 107
+    latest_cluster(ray_tmpdir, ray_head.address)
+    try:
+        proc = subprocess.run([PYTHON, str(HERE / "ray_2d.py"), str(tmp_path)], capture_output=True, text=True,
+                              env=ray_env(ray_tmpdir), cwd=tmp_path, timeout=240)
+        left = started_with("RAY_TMPDIR", str(ray_tmpdir))
+    finally:
+        end(started_with("RAY_TMPDIR", str(ray_tmpdir)))
+        shutil.rmtree(ray_tmpdir, ignore_errors=True)
     assert proc.returncode == 0, output(proc)
-    result = json.loads(out.read_text())
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert not result["cluster"].endswith(f":{ray_head.port}") and left == [], (result["cluster"], left)
     assert [s["ranks"] for s in result["plan"]["stages"]] == [[0, 2], [1, 3]]  # 2 stages x 2 replicas
     model = ray_2d.make_model()  # one process on the 4 workers' batches, concatenated in rank order
     x, y = (torch.cat(parts) for parts in zip(*(ray_2d.batch(rank) for rank in range(4))))
@@ -67,6 +93,26 @@ def test_an_address_that_does_not_answer_is_an_error_not_a_wait():
     with pytest.raises(LaunchError, match=f"no Ray cluster answers at {address}"):
         partita.ray.run(print, workers=2, address=address, connect_timeout_s=3)
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("given", ["--address", "RAY_ADDRESS", "--address auto"])
+def test_partita_ray_at_an_address_that_does_not_answer_is_an_error_not_a_wait(tmp_path, given):
+    """Also when the address comes from RAY_ADDRESS or stands for the latest cluster (auto): ray.init would try
+    for minutes."""
+    pytest.importorskip("ray", reason="pip install 'ray[default,train]'")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    latest_cluster(tmp_path, address)  # a cluster that `ray start` started and that has ended since
+    options = {"--address": ["--address", address], "RAY_ADDRESS": [], "--address auto": ["--address", "auto"]}
+    environ = ray_env(tmp_path, **({"RAY_ADDRESS": address} if given == "RAY_ADDRESS" else {}))
+    started = time.monotonic()
+    proc = subprocess.run([str(BIN / "partita"), "ray", *options[given], "--connect-timeout", "3", "--workers", "2",
+                           SCRIPT, str(tmp_path)], capture_output=True, text=True, env=environ, timeout=60)
+    assert proc.returncode == 2, output(proc)
+    named = "RAY_ADDRESS " if given == "RAY_ADDRESS" else ""
+    # auto: the address as Ray resolved it, which may name this host by another IP
+    assert f"no Ray cluster answers at {named}" in proc.stderr and f":{port} (" in proc.stderr, output(proc)
+    assert time.monotonic() - started < 30
 
 
 def test_partita_ray_without_ray_says_what_to_install(tmp_path):
