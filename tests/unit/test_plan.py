@@ -56,6 +56,19 @@ def test_adam_needs_more_memory_than_sgd():
     assert any("data parallel alone would take" in r for r in sgd.reasons)
 
 
+@pytest.mark.parametrize("param_mb, ranks_per_pipeline", [(2.5, 1), (3, 2), (3.5, 4)])
+def test_the_shallowest_pipeline_within_the_margin_of_the_fastest_wins(param_mb, ranks_per_pipeline):
+    """The fastest plan here pipelines over all 4 ranks; shallower ones trail it by more as the parameters (and
+    so the gradient all-reduce of every replica) grow: 2.5 MB: data parallelism is within 5%, 3 MB: 2 ranks per
+    pipeline are, 3.5 MB: nothing shallower is."""
+    graph, profile = model([1e-4] * 8, param_mb=param_mb)
+    plan = choose_plan(graph, profile, cluster(4, 10**4), global_batch=32, optimizer_factor=2)
+    assert plan.pipeline_size == ranks_per_pipeline
+    told = [r for r in plan.reasons if "closer than the simulator can tell apart" in r]
+    assert len(told) == (ranks_per_pipeline < 4)
+    assert all("rather than the 4 of the fastest" in r for r in told)
+
+
 def test_stages_balance_measured_time():
     graph, profile = model([1, 1, 1, 1, 4])
     plan = choose_plan(graph, profile, cluster(2, 10**4), global_batch=8, optimizer_factor=0, stages=2,

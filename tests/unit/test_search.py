@@ -8,7 +8,7 @@ import pytest
 from partita.cluster import Cluster, DeviceSpec, Link
 from partita.graph import Block, BlockCost, Fit, ModelGraph, Profile
 from partita.plan.cost import CostModel
-from partita.plan.search import Constraints, evaluate, layouts, search
+from partita.plan.search import Constraints, _layout_bound, evaluate, layouts, search
 
 
 def instance(rng: random.Random):
@@ -63,3 +63,21 @@ def test_search_agrees_with_brute_force(seed):
             assert got == pytest.approx(want, rel=1e-12, abs=0), (result.best.layout, got, want)
             agreed += 1
     assert agreed >= 12  # most instances have a feasible plan
+
+
+def test_layout_bounds_never_exceed_a_simulated_step():
+    """A layout's bound lets the search skip it unsearched, so it must hold for every split of its blocks."""
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(40):
+        graph, profile, cluster, batch, factor = instance(rng)
+        for layout in layouts(graph, cluster, batch, Constraints()):
+            model = CostModel(graph, profile, cluster, factor, layout)
+            n, s = graph.num_blocks, layout.num_stages
+            for cuts in itertools.combinations(range(1, n), s - 1):
+                found = evaluate(model, list(zip((0,) + cuts, cuts + (n,))), [False] * s)
+                if found is not None:
+                    assert _layout_bound(model) <= found.step_s * (1 + 1e-12), (layout, cuts)
+                    checked += 1
+    assert checked > 100
+

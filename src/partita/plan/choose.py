@@ -11,9 +11,12 @@ from partita.graph import ModelGraph, Profile
 from partita.plan.cost import CostModel, Layout
 from partita.plan.explain import size
 from partita.plan.plan import Estimate, Plan, StagePlan, check_batch
-from partita.plan.search import (NODE_BUDGET, Candidate, Constraints, SearchResult, _PartitionSearch, evaluate,
-                                  layouts, search)
+from partita.plan.search import (NODE_BUDGET, SEARCH_BUDGET, Candidate, Constraints, SearchResult, _PartitionSearch,
+                                  evaluate, layouts, search)
 from partita.schedule.placement import SCHEDULES, stages_per_rank
+
+
+SIMPLER_WITHIN = 0.05  # plans this close to the fastest simulated step count as equally fast
 
 
 def _divisors(n: int) -> list[int]:
@@ -33,13 +36,39 @@ def choose_plan(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global
     started = time.perf_counter()
     result = search(graph, profile, cluster, global_batch=global_batch, optimizer_factor=optimizer_factor,
                     constraints=constraints, node_budget=node_budget)
-    seconds = time.perf_counter() - started
     if result.best is None:
         raise PlanError(_infeasible(graph, profile, cluster, global_batch, optimizer_factor, constraints, result))
-    model = CostModel(graph, profile, cluster, optimizer_factor, result.best.layout)
-    plan = to_plan(graph, model, result.best, result, global_batch, profile, seconds)
-    reasons = _reasons(graph, profile, cluster, global_batch, optimizer_factor, constraints, result, plan)
+    fastest = result.best
+    simpler = _fewer_pipeline_ranks(graph, profile, cluster, global_batch, optimizer_factor, constraints, fastest,
+                                    node_budget)
+    chosen = simpler or fastest
+    model = CostModel(graph, profile, cluster, optimizer_factor, chosen.layout)
+    plan = to_plan(graph, model, chosen, result, global_batch, profile, time.perf_counter() - started)
+    reasons = _reasons(graph, profile, cluster, global_batch, optimizer_factor, constraints, result, plan,
+                       fastest if simpler is not None else None)
     return replace(plan, reasons=reasons).validate(cluster.world_size)
+
+
+def _fewer_pipeline_ranks(graph, profile, cluster, global_batch, optimizer_factor, constraints: Constraints,
+                          fastest: Candidate, node_budget: int) -> Candidate | None:
+    """The plan with the fewest ranks per pipeline (the most replicas) whose simulated step is within
+    SIMPLER_WITHIN of the fastest, if it has fewer than the fastest and the caller fixed neither stages nor
+    replicas. Steps that close are within the simulator's own error on measured runs
+    (bench/simulator_accuracy.py), and a shallower pipeline has less bubble, fewer messages and less to lose
+    from an imbalance between stages that the measurements missed."""
+    if constraints.stages is not None or constraints.replicas is not None:
+        return None
+    world = cluster.world_size
+    for depth in _divisors(world):
+        if depth >= fastest.layout.pipeline_size:
+            return None
+        # a plan inside the window is all this asks for, not the best one: a quarter of the search budget
+        found = search(graph, profile, cluster, global_batch=global_batch, optimizer_factor=optimizer_factor,
+                       constraints=replace(constraints, replicas=world // depth), node_budget=node_budget,
+                       search_budget=SEARCH_BUDGET // 4, faster_than_s=fastest.step_s * (1 + SIMPLER_WITHIN)).best
+        if found is not None:
+            return found
+    return None
 
 
 def to_plan(graph: ModelGraph, model: CostModel, best: Candidate, result: SearchResult, global_batch: int,
@@ -139,7 +168,7 @@ def _unconstrained_memory(model: CostModel) -> int:
 
 
 def _reasons(graph, profile, cluster, global_batch, optimizer_factor, constraints, result: SearchResult,
-             plan: Plan) -> tuple[str, ...]:
+             plan: Plan, fastest_not_taken: Candidate | None = None) -> tuple[str, ...]:
     est = plan.estimate
     out = []
     fixed = {k: v for k, v in vars(constraints).items() if v is not None}
@@ -151,10 +180,18 @@ def _reasons(graph, profile, cluster, global_batch, optimizer_factor, constraint
                    "bounds ruled out the rest; proven optimal in this space")
     else:
         gap = (est.step_s - result.lower_bound_s) / est.step_s if est.step_s else 0.0
-        out.append(f"best of {result.layouts_considered} layouts; the search budget ran out, so it is within "
-                   f"{100 * gap:.0f}% of the lower bound {result.lower_bound_s:.4g} s")
+        out.append(f"best found among {result.layouts_considered} layouts before the search budget ran out: no plan "
+                   f"steps faster than {result.lower_bound_s:.4g} s (a lower bound), so this one is at most "
+                   f"{100 * gap:.0f}% slower than the best possible")
+    if fastest_not_taken is not None:
+        deeper = fastest_not_taken.layout.pipeline_size
+        out.append(f"{plan.pipeline_size} rank(s) per pipeline rather than the {deeper} of the fastest simulated plan "
+                   f"({fastest_not_taken.layout.describe()}, {fastest_not_taken.step_s:.4g} s per step): within "
+                   f"{100 * SIMPLER_WITHIN:.0f}% of it, closer than the simulator can tell apart, and a shallower "
+                   "pipeline sends fewer messages and depends less on how evenly its stages are balanced")
     if plan.num_stages == 1 and plan.num_microbatches == 1:
-        out.append("data parallel only: the whole model fits one device and nothing pipelined is faster")
+        if fastest_not_taken is None:
+            out.append("data parallel only: the whole model fits one device and nothing pipelined is faster")
     elif "stages" not in fixed:
         dp_step, dp_memory = _data_parallel(graph, profile, cluster, global_batch, optimizer_factor)
         if dp_step is None:

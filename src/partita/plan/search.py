@@ -113,14 +113,15 @@ def layouts(graph: ModelGraph, cluster: Cluster, global_batch: int, constraints:
 
 def search(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global_batch: int, optimizer_factor: float,
            constraints: Constraints = Constraints(), node_budget: int = NODE_BUDGET,
-           search_budget: int = SEARCH_BUDGET) -> SearchResult:
-    """The best plan of the search space (see the module docstring)."""
+           search_budget: int = SEARCH_BUDGET, faster_than_s: float = math.inf) -> SearchResult:
+    """The best plan of the search space (see the module docstring); with `faster_than_s`, only a plan whose
+    step is shorter counts (none found: `best` is None)."""
     candidates = layouts(graph, cluster, global_batch, constraints)
     result = SearchResult(None, True, len(candidates), 0, 0, 0, math.inf)
     models = [CostModel(graph, profile, cluster, optimizer_factor, lay) for lay in candidates]
     bounded = sorted(((_layout_bound(m), i) for i, m in enumerate(models)), key=lambda x: x[0])
     # a good plan early makes the exact search cut most branches: each layout's work-balanced boundaries
-    best_s = math.inf
+    best_s = faster_than_s
     for bound, i in bounded:
         if bound >= best_s:
             break
@@ -174,11 +175,22 @@ def _too_big(model: CostModel) -> str:
 
 def _layout_bound(model: CostModel) -> float:
     """No partition of this layout steps faster: some rank does at least the average work, and one
-    micro-batch crosses every block forward and back; some rank steps at least the average optimizer work."""
+    micro-batch crosses every block forward and back; some rank steps at least the average optimizer work.
+
+    With one stage per rank (GPipe, 1F1B), stage s cannot start before micro-batch 0 has passed the stages
+    before it, nor finish before the last gradient has gone back through them: the pipeline takes at least
+    prefix_s + M w_s for every stage s (prefix_s: the work of the stages before it, w_s its own). The least
+    that maximum can be over all splits of the work W, whole blocks or not, is when every term is equal:
+    w_s = T/M ((M-1)/M)^s, which sums to W for T = W / (1 - ((M-1)/M)^P). It is never below the bounds above
+    (and checked against the simulator on random stages)."""
     lay = model.layout
     work = model.work(0, model.num_blocks)
     params = model.graph.param_bytes_of(0, model.num_blocks)
-    return max(lay.num_microbatches * work / lay.pipeline_size, work) + model.optimizer_s(params) / lay.pipeline_size
+    m, p = lay.num_microbatches, lay.pipeline_size
+    pipeline = max(m * work / p, work)
+    if stages_per_rank(lay.schedule) == 1 and m > 1:
+        pipeline = max(pipeline, work / (1.0 - ((m - 1) / m) ** p))
+    return pipeline + model.optimizer_s(params) / p
 
 
 @dataclass(frozen=True)
