@@ -43,6 +43,8 @@ def test_ranks_disagree_on_batch_shape(pools):
 def test_saved_plan_loads_and_checks(pools, tmp_path):
     path = str(tmp_path / "plan.json")
     saved = pools.run(2, "support.cases:bad_input", "save_plan", path)[0]["plan"]
+    # the fidelity tests plan from estimates; this plan is the one made from costs measured across ranks
+    assert saved["estimate"]["profile"].startswith("measured"), saved["estimate"]
     used = pools.run(2, "support.cases:bad_input", "use_plan", path)
     assert all(r["plan"] == saved for r in used)
     msg = errors(pools.run(2, "support.cases:bad_input", "plan_for_other_model", path), "PlanError")

@@ -135,7 +135,7 @@ RELOADED = ("reload param", "reload optimizer")
 
 def test_state_dict_round_trip_into_another_plan(pools):
     """Model and optimizer state saved under 2 stages x 2 replicas load into a fresh 4-stage run."""
-    r = fidelity(pools, 4, "gpt", *RELOADED, stages=2, replicas=2, roundtrip={"stages": 4})
+    r = fidelity(pools, 4, "gpt", *RELOADED, stages=2, replicas=2, roundtrip={"stages": 4, "replicas": 1})
     assert r["plan"][:2] == (2, 2) and r["reload_plan"][:2] == (4, 1)
 
 

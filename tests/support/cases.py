@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import io
 import math
+import os
+from unittest import mock
 
 import torch
 import torch.utils._pytree as pytree
@@ -94,6 +96,9 @@ class _NoOptimizer:
         pass
 
 
+# Plans here come from the device preset's estimates instead of measurements, which cost seconds per model
+# and world size: every fidelity test fixes the layout it checks. test_bad_input.py plans from measurements.
+@mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
 def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", steps: int = 3,
              accumulate: int = 1, local_batch: int = 8, input_grad: bool = False, call_kwargs: dict | None = None,
              lr_schedule: str | None = None, statistics_replicas: int = 1, roundtrip: dict | None = None,
