@@ -155,7 +155,8 @@ def test_optimizer_state_round_trip_between_ddp_and_pipeline(pools, optimizer, b
 
 
 def test_plan_given_as_an_object(pools):
-    """plan= takes a Plan object (here one the planner would not make: 4 micro-batches where it chose 2)."""
+    """plan= takes a Plan object, used as given: a 2-micro-batch run's plan changed to 4 micro-batches, which
+    no planner call made."""
     made = Plan.from_json(pools.run(2, "support.cases:fidelity", "mlp", steps=1, stages=2, micro_batches=2,
                                     schedule="GPipe")[0]["plan_json"])
     given = dataclasses.replace(made, num_microbatches=4)
