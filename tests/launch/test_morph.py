@@ -7,23 +7,46 @@ import os
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
+import partita
 from launch.daemons import free_port
 from launch.harness import BIN, SCRIPT, by_step, check, env, losses, output, rank0_logs
 
 pytestmark = pytest.mark.slow
 
-RESUME_EXIT_CODE = 75
 
-
-def partita_run(run_dir, ranks: int, *args, restarts: int = 0):
+def partita_run(run_dir, ranks: int, *args, restarts: int = 0, **extra_env):
     return subprocess.run([str(BIN / "partita"), "run", "-n", str(ranks), "--max-restarts", str(restarts), "--quiet",
                            "--log-dir", str(run_dir / "logs"), SCRIPT, str(run_dir), *map(str, args)],
-                          capture_output=True, text=True, env=env(), timeout=240)
+                          capture_output=True, text=True, env=env(**extra_env), timeout=240)
+
+
+@pytest.fixture
+def start():
+    """start(run_dir, ranks, *args): `partita run` in the background, for a test that signals or kills it mid-run.
+    Every process of the job carries PARTITA_TEST_NODE=marker in its environment; whatever is left of the jobs
+    when the test ends, passed or failed, is killed."""
+    jobs: list[tuple[str, subprocess.Popen]] = []
+
+    def start_job(run_dir, ranks: int, *args, launcher_args=(), log_dir: str = "logs",
+                  marker: str = "") -> subprocess.Popen:
+        marker = marker or uuid.uuid4().hex
+        job = subprocess.Popen([str(BIN / "partita"), "run", "-n", str(ranks), *map(str, launcher_args), "--quiet",
+                                "--log-dir", str(run_dir / log_dir), SCRIPT, str(run_dir), *map(str, args)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env(PARTITA_TEST_NODE=marker))
+        jobs.append((marker, job))
+        return job
+
+    yield start_job
+    for marker, job in jobs:
+        kill_marked(marker)
+        job.communicate(timeout=30)
 
 
 def test_a_stopped_and_a_killed_job_restart_and_resume_bit_for_bit(reference_run, tmp_path):
@@ -46,23 +69,31 @@ def test_a_stopped_and_a_killed_job_restart_and_resume_bit_for_bit(reference_run
     assert back - died < 60  # 13-17 s on an idle 2-core machine (bench/restart_time.py); room for a loaded runner
 
 
-def test_sigterm_to_the_launcher_saves_stops_with_a_distinct_status_and_loses_no_step(tmp_path):
-    """What a preempted machine sees: SIGTERM to `partita run`, which passes it to every rank. They save after the
+def test_a_crash_after_an_earlier_stop_is_reported_as_a_crash(tmp_path):
+    """Under `partita run --max-restarts 1`: a stop request after step 1 (the ranks save step 2 and exit 75; the
+    agent restarts them), then kill -9 of rank 1 in step 3 with no restart left. The command reports the dead rank
+    and its status, not the earlier attempt's stop: 75 means that the last attempt saved and stopped."""
+    proc = partita_run(tmp_path, 2, "--stop-after", 1, "--die-at", 3, restarts=1)
+    assert "stopping at step 2 (SIGUSR1) after saving" in rank0_logs(tmp_path / "logs")  # the earlier attempt
+    assert [(r["step"], r["attempt"]) for r in losses(tmp_path)] == [(0, 0), (1, 0), (2, 1)]
+    assert proc.returncode == 128 + signal.SIGKILL, output(proc)
+    assert "rank 1 was killed by SIGKILL (no restart left of --max-restarts 1)" in proc.stderr, output(proc)
+    assert "stopped to be resumed" not in proc.stderr, output(proc)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+def test_a_stop_signal_to_the_launcher_saves_stops_with_a_distinct_status_and_loses_no_step(start, tmp_path, sig):
+    """What a preempted machine sees (SIGTERM), and a preemption notice or Slurm's warning before the time limit
+    (SIGUSR1): the signal goes to `partita run` from outside, which passes it to every rank. They save after the
     step they are in, the command exits with 75, and running it again finishes the job."""
     steps = 60
-    proc = subprocess.Popen([str(BIN / "partita"), "run", "-n", "2", "--quiet", "--log-dir", str(tmp_path / "logs"),
-                             SCRIPT, str(tmp_path), "--steps", str(steps), "--step-sleep", "0.05"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
-    deadline = time.monotonic() + 120
-    while not ((tmp_path / "losses.jsonl").exists() and len(losses(tmp_path)) >= 3):
-        assert time.monotonic() < deadline and proc.poll() is None, "the job did not start training"
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=90)
-    assert proc.returncode == RESUME_EXIT_CODE, f"exit {proc.returncode}\n{stdout}\n{stderr}"
-    assert "stopped to be resumed" in stderr
-    done = losses(tmp_path)[-1]["step"] + 1
-    assert done < steps and (tmp_path / "ckpt" / f"step-{done:06d}").is_dir()  # saved after its last step
+    job = start(tmp_path, 2, "--steps", steps, "--step-sleep", 0.05)
+    wait_for(lambda: len(losses_so_far(tmp_path)) >= 3, job, "the job to train")
+    job.send_signal(sig)
+    stdout, stderr = job.communicate(timeout=90)
+    done = assert_stopped_and_saved(job, stdout, stderr, tmp_path)
+    assert f"stopping at step {done} ({sig.name})" in rank0_logs(tmp_path / "logs")
+    assert done < steps
     again = partita_run(tmp_path, 2, "--steps", steps)
     assert again.returncode == 0, output(again)
     assert [r["step"] for r in losses(tmp_path)] == list(range(steps))
@@ -84,34 +115,35 @@ def test_resizing_replans_and_keeps_the_global_batch(tmp_path):
     check(tmp_path, 4, stages=4)  # the last plan
 
 
-def test_nodes_that_join_and_leave_resize_a_running_job(tmp_path):
+def test_nodes_that_join_and_leave_resize_a_running_job(start, tmp_path):
     """Two `partita run --nnodes 1:2` agents on this machine stand for the nodes of an elastic job. The job starts
     on one node (2 ranks); a second node joins (the agents restart their ranks: 4 ranks, each stopped rank saves
     first); the second node dies with every process on it (kill -9: back to 2 ranks). Each change re-plans and
-    resumes from the latest checkpoint with the same global batch; the losses are one process's."""
+    resumes from the latest checkpoint with the same global batch; the losses are one process's. SIGTERM then
+    stops the job: its last attempt saves, and only that makes the status 75 (the attempt that saved before the
+    second node joined does not count)."""
     port = free_port()
+    markers = {name: f"node-{name}-{uuid.uuid4().hex}" for name in "ab"}
 
     def node(name: str) -> subprocess.Popen:
-        return subprocess.Popen(
-            [str(BIN / "partita"), "run", "-n", "2", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-             "--rdzv-id", "morph", "--max-restarts", "3", "--quiet", "--log-dir", str(tmp_path / f"logs-{name}"),
-             SCRIPT, str(tmp_path), "--steps", "400", "--step-sleep", "0.05", "--auto-plan"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(PARTITA_TEST_NODE=name))
+        return start(tmp_path, 2, "--steps", 400, "--step-sleep", 0.05, "--auto-plan", marker=markers[name],
+                     log_dir=f"logs-{name}",
+                     launcher_args=["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "morph",
+                                    "--max-restarts", 3])
 
     def worlds() -> list[int]:
-        return [r["world"] for r in losses(tmp_path)] if (tmp_path / "losses.jsonl").exists() else []
+        return [r["world"] for r in losses_so_far(tmp_path)]
 
     first = node("a")
     wait_for(lambda: len(worlds()) >= 3, first, "the first node to train")
     second = node("b")
     wait_for(lambda: worlds().count(4) >= 3, first, "the job to grow to 4 ranks and save")  # saves every 2 steps
-    for pid in [second.pid, *_processes_of_node("b")]:  # the node goes away: its agent and its ranks
-        os.kill(pid, signal.SIGKILL)
+    kill_marked(markers["b"])  # the node goes away: its agent and its ranks
     second.wait(timeout=30)
     wait_for(lambda: worlds()[-1] == 2 and worlds().count(2) > worlds().index(4), first, "the job to shrink to 2")
     first.send_signal(signal.SIGTERM)  # enough: stop (and save) instead of training all 400 steps
     stdout, stderr = first.communicate(timeout=90)
-    assert first.returncode == RESUME_EXIT_CODE, f"exit {first.returncode}\n{stdout}\n{stderr}"
+    assert_stopped_and_saved(first, stdout, stderr, tmp_path)
     sizes = [w for i, w in enumerate(worlds()) if i == 0 or worlds()[i - 1] != w]
     assert sizes == [2, 4, 2], sizes
     logs = rank0_logs(tmp_path / "logs-a") + rank0_logs(tmp_path / "logs-b")
@@ -120,21 +152,36 @@ def test_nodes_that_join_and_leave_resize_a_running_job(tmp_path):
     check(tmp_path, 2, len(by_step(losses(tmp_path))), stages=1)
 
 
-def wait_for(condition, proc: subprocess.Popen, what: str, timeout_s: float = 120) -> None:
+def assert_stopped_and_saved(job: subprocess.Popen, stdout: str, stderr: str, run_dir: Path) -> int:
+    """The command exited with the resume status after the ranks saved the step after their last one; that step."""
+    assert job.returncode == partita.RESUME_EXIT_CODE == 75, f"exit {job.returncode}\n{stdout}\n{stderr}"
+    assert "stopped to be resumed" in stderr
+    done = losses(run_dir)[-1]["step"] + 1
+    assert partita.latest_checkpoint(run_dir / "ckpt") == str(run_dir / "ckpt" / f"step-{done:06d}")
+    return done
+
+
+def losses_so_far(run_dir: Path) -> list[dict]:
+    return losses(run_dir) if (run_dir / "losses.jsonl").exists() else []
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout_s: float = 120):
+    """Poll `condition` until it holds (returns its value) while `proc` runs, at most `timeout_s` seconds."""
     deadline = time.monotonic() + timeout_s
-    while not condition():
+    while not (value := condition()):
         assert proc.poll() is None, f"the job ended (exit {proc.returncode}) while waiting for {what}"
         assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
         time.sleep(0.1)
+    return value
 
 
-def _processes_of_node(name: str) -> list[int]:
-    """Processes started with PARTITA_TEST_NODE=name (the agent's ranks run in sessions of their own)."""
-    pids = []
+def kill_marked(marker: str) -> None:
+    """kill -9 of every process started with PARTITA_TEST_NODE=marker: an agent and its ranks, which run in
+    sessions of their own."""
+    entry = f"PARTITA_TEST_NODE={marker}".encode()
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and f"PARTITA_TEST_NODE={name}".encode() in (proc / "environ").read_bytes():
-                pids.append(int(proc.name))
+            if proc.name.isdigit() and entry in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
         except OSError:
-            continue
-    return pids
+            continue  # not ours to read, or gone already

@@ -4,6 +4,11 @@ Each rank's output goes to a file (paths printed at start) and to the console, p
 command's exit status is the job's: 0, or the exit code of the first rank that failed (128 + the signal's number
 for a rank that a signal killed, as a shell reports it). With --max-restarts N, a rank that fails restarts all
 ranks, up to N times: each restart is a new attempt, whose ranks join afresh and resume from the last checkpoint.
+
+SIGTERM and SIGUSR1 (a preemption notice, Slurm's warning before the time limit) to this command go on to every
+rank; ranks that use `partita.elastic` save at the next step boundary and stop. The command then exits with status
+75 (partita.RESUME_EXIT_CODE) if the ranks of its last attempt stopped that way, so that a wrapper can tell "run
+again to resume" from a failure.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from partita.errors import LaunchError
 from partita.launch.threads import cores_per_rank, usable_cores
 from partita.morph.stop import RESUME_EXIT_CODE
 
+# The agent stops the ranks with the signal it received, for these. torch's list lacks SIGUSR1 (a preemption
+# notice, Slurm's warning before the time limit), which would kill this command without the ranks saving.
+PASSED_ON = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="start N local processes (torch elastic agent) running a script",
@@ -31,8 +40,8 @@ def add_parser(sub) -> None:
                    help="with --nnodes MIN:MAX, seconds to wait for more nodes once MIN joined, at the start and at "
                         "each restart (default 5; torchrun waits 30)")
     p.add_argument("--stop-timeout", type=int, default=60, metavar="S",
-                   help="seconds the ranks get to save and exit after this command receives SIGTERM, before they "
-                        "are killed (default 60)")
+                   help="seconds the ranks get to save and exit after this command receives SIGTERM or SIGUSR1, "
+                        "before they are killed (default 60)")
     p.add_argument("--log-dir", default="partita-logs", help="where each rank's stdout/stderr files go")
     p.add_argument("--quiet", action="store_true", help="only files, no rank output on the console")
     p.add_argument("script", help="the training script")
@@ -75,11 +84,13 @@ def run(args) -> int:
     # or later) waits forever for the store address that only the first round publishes (pytorch#135712):
     # each round gets a store of its own instead, hosted by its rank 0 on a fresh port
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    resume_file = _resume_file(args.log_dir)
 
     class PrintedLogs(DefaultLogsSpecs):
-        """torch's log layout, announced on the console when each attempt starts. The attempts are counted here:
-        torch names their folders by its restart count, which stays the same when the agent restarts the ranks
-        because another node joined or left, and would then delete the logs of the attempt before."""
+        """torch's log layout, announced on the console when each attempt starts (torch calls `reify` then, before
+        it starts the attempt's ranks). The attempts are counted here: torch names their folders by its restart
+        count, which stays the same when the agent restarts the ranks because another node joined or left, and
+        would then delete the logs of the attempt before."""
 
         last = None
         attempts = 0
@@ -87,6 +98,9 @@ def run(args) -> int:
         def reify(self, envs):
             attempt = str(PrintedLogs.attempts)
             PrintedLogs.attempts += 1
+            # the marker says that the ranks of the last attempt saved and stopped; an attempt before it that
+            # stopped (and was restarted) must not make a later crash look like a stop
+            _remove(resume_file)
             dest = PrintedLogs.last = super().reify(
                 {rank: {**env, "TORCHELASTIC_RESTART_COUNT": attempt} for rank, env in envs.items()})
             print(f"partita run: attempt {attempt}, logs of each rank:", flush=True)
@@ -101,9 +115,9 @@ def run(args) -> int:
         rdzv_backend="c10d", rdzv_endpoint="localhost:0" if standalone else args.rdzv_endpoint,
         rdzv_configs={"last_call_timeout": args.last_call, **({"is_host": True} if standalone else {})},
         max_restarts=args.max_restarts, monitor_interval=0.1, start_method="spawn", shutdown_timeout=args.stop_timeout,
+        signals_to_handle=PASSED_ON,
         logs_specs=PrintedLogs(log_dir=args.log_dir, redirects=Std.ALL, tee=Std.NONE if args.quiet else Std.ALL),
     )
-    resume_file = _resume_file(args.log_dir)
     try:
         launch_agent(config, sys.executable, ["-u", args.script, *args.args])
     except (ChildFailedError, SignalException) as e:
@@ -127,11 +141,19 @@ def run(args) -> int:
 
 def _resume_file(log_dir: str) -> str:
     """Where `partita.elastic` in the ranks notes that it saved a checkpoint and stopped to be resumed: the
-    launcher's own (a `partita slurm` batch script's), or a fresh one of this command."""
+    launcher's own (a `partita slurm` batch script's), or a fresh one of this command. Each attempt starts
+    without it."""
     if "PARTITA_RESUME_FILE" not in os.environ:
         os.makedirs(log_dir, exist_ok=True)
         os.environ["PARTITA_RESUME_FILE"] = os.path.join(os.path.abspath(log_dir), f"resume-{uuid.uuid4().hex}")
     return os.environ["PARTITA_RESUME_FILE"]
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def _first_failure(failures: dict) -> tuple:
