@@ -16,6 +16,7 @@ import torch
 import partita
 from launch.daemons import free_port
 from launch.harness import BIN, SCRIPT, by_step, check, env, losses, output, rank0_logs
+from launch.train_script import make_model, make_optimizer
 
 pytestmark = pytest.mark.slow
 
@@ -150,6 +151,22 @@ def test_nodes_that_join_and_leave_resize_a_running_job(start, tmp_path):
     for before, after in ((2, 4), (4, 2)):
         assert f"the world changed from {before} to {after} rank(s), so the model is planned again" in logs, logs
     check(tmp_path, 2, len(by_step(losses(tmp_path))), stages=1)
+
+
+def test_ranks_that_see_different_checkpoints_stop_at_once_and_say_why(tmp_path):
+    """Checkpoints on each node's own disk: rank 0's holds one, rank 1's none. Rank 0 alone would load it (a
+    collective) while rank 1 trains, and both would wait until the process-group timeout. Instead every rank stops
+    at once with an error that says what each rank sees and asks for a filesystem all nodes share."""
+    model = make_model()
+    partita.save(model, make_optimizer(model), tmp_path / "disk-0" / "ckpt", step=2)
+    started = time.monotonic()
+    proc = partita_run(tmp_path, 2, "--disk-per-rank", PARTITA_TIMEOUT_S="120")
+    took = time.monotonic() - started
+    assert proc.returncode == 1, output(proc)
+    logs = rank0_logs(tmp_path / "logs")
+    for words in ("rank 0 sees ckpt/step-000002", "rank 1 sees none", "a filesystem that all nodes share"):
+        assert words in logs, logs
+    assert took < 60, f"{took:.0f} s: the ranks waited for each other instead of stopping at once"
 
 
 def assert_stopped_and_saved(job: subprocess.Popen, stdout: str, stderr: str, run_dir: Path) -> int:

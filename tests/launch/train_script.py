@@ -2,6 +2,7 @@
 
     <launcher> train_script.py RUN_DIR [--steps N] [--stages S | --auto-plan] [--plan PLAN.json]
                                        [--die-at STEP --die-rank R] [--stop-after STEP] [--step-sleep S]
+                                       [--disk-per-rank]
 
 It trains 2 stages x (world / 2) replicas (one stage in one process) unless told otherwise, with Adam, on a
 fixed global batch per step whatever the world size, so every run computes one process's losses. Checkpoints go
@@ -11,6 +12,8 @@ RUN_DIR/plan-<world>.json, and at the end the final parameters to RUN_DIR/final.
 
 --die-at: rank R kills itself with SIGKILL at that step, once (it leaves RUN_DIR/died with the time of death).
 --stop-after: rank 0 sends itself SIGUSR1 after finishing that step (a stop request mid-run).
+--disk-per-rank: each rank works in RUN_DIR/disk-<rank> and keeps its checkpoints under the relative path `ckpt`:
+the same path names another directory on each rank, as a path on each node's own disk would.
 """
 
 import argparse
@@ -53,8 +56,9 @@ def main() -> None:
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to wait in each step (a slower job)")
     ap.add_argument("--stages", type=int, help="stages (default: 2, or 1 in one process)")
     ap.add_argument("--auto-plan", action="store_true", help="let the planner choose the layout")
+    ap.add_argument("--disk-per-rank", action="store_true", help="checkpoints on each rank's own 'disk'")
     args = ap.parse_args()
-    run = Path(args.run_dir)
+    run = Path(args.run_dir).resolve()  # --disk-per-rank changes the working directory
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # restarts by torch's elastic agent
     requeue = int(os.environ.get("SLURM_RESTART_COUNT", "0"))  # runs of a requeued Slurm job
 
@@ -64,7 +68,12 @@ def main() -> None:
     opt = make_optimizer(model)
     stages = None if args.auto_plan or args.plan else args.stages or (2 if world > 1 else 1)
     model = partita.parallelize(model, opt, loss_fn=torch.nn.MSELoss(), plan=args.plan, stages=stages)
-    job = partita.elastic(model, opt, run / "ckpt", global_batch=GLOBAL_BATCH, save_every=2)
+    ckpt = run / "ckpt"
+    if args.disk_per_rank:
+        (run / f"disk-{rank}").mkdir(exist_ok=True)
+        os.chdir(run / f"disk-{rank}")
+        ckpt = Path("ckpt")
+    job = partita.elastic(model, opt, ckpt, global_batch=GLOBAL_BATCH, save_every=2)
     (run / f"pid-{rank}").write_text(str(os.getpid()))
     for step in job.steps(args.steps):
         if args.die_at == step and rank == args.die_rank and not (run / "died").exists():

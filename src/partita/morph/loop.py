@@ -5,7 +5,8 @@
         x, y = dataset.batch(step)[job.rows]    # this rank's rows of global batch `step`
         opt.zero_grad(); model(x, y).backward(); opt.step()
 
-On start it loads the latest checkpoint under the path, if any (model, optimizer, step, RNG states, `extra`).
+On start it loads the latest checkpoint under the path, if any (model, optimizer, step, RNG states, `extra`); every
+rank must see the same one there (a filesystem all nodes share), or every rank stops at once with an error.
 The world may have changed since: the model is re-planned for the world it finds on its first call, and the
 global batch stays the same (each rank's share is `job.local_batch` rows). If the world has not changed, the
 checkpoint's plan is used again, so a resumed run computes exactly what an uninterrupted one would.
@@ -20,12 +21,16 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from partita import checkpoint
+from partita.checkpoint.collective import together
+from partita.checkpoint.manifest import read_manifest
 from partita.morph.stop import RESUME_EXIT_CODE, StopRequest
 from partita.errors import CheckpointError, PartitaError
 from partita.launch import env
@@ -49,8 +54,9 @@ class Elastic:
         self.extra: dict = {}
         self.resumed_from: checkpoint.CheckpointInfo | None = None
         self.stop_request = StopRequest().install()
-        if checkpoint.latest_checkpoint(self.path) is not None:
-            self._resume()
+        found = _agreed_latest_checkpoint(self.path)
+        if found is not None:
+            self._resume(found)
         self.start_step = self.step  # where this run began: 0, or the step of the checkpoint it resumed from
 
     @property
@@ -81,8 +87,8 @@ class Elastic:
         return checkpoint.save(self.model, self.optimizer, self.path, step=self.step, extra=self.extra, keep=self.keep)
 
     # ---- internals -----------------------------------------------------------------------------
-    def _resume(self) -> None:
-        info = checkpoint.load(self.model, self.optimizer, self.path)
+    def _resume(self, found: str) -> None:
+        info = checkpoint.load(self.model, self.optimizer, found)
         self.step, self.extra, self.resumed_from = info.step, dict(info.extra), info
         same_world = info.world_size == self.world_size
         if same_world and info.plan is not None:
@@ -125,6 +131,48 @@ class Elastic:
                     f.write(saved)
         env.shutdown()
         raise SystemExit(RESUME_EXIT_CODE)
+
+
+def _agreed_latest_checkpoint(path: str) -> str | None:
+    """The checkpoint to resume from, once every rank has found the same one under `path` (None: none has one).
+
+    Ranks that each decided for themselves could disagree (a path on each node's own disk), and then some would
+    load (a collective) while the others train: both would wait until the process-group timeout. Here every rank
+    compares what all of them see and raises the same error at once."""
+    what = f"partita.elastic(path={path!r})"
+    mine = together(lambda: _latest_seen(path), what)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None if mine is None else mine[0]
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    if any(view != seen[0] for view in seen):
+        raise CheckpointError(f"{what}: the ranks do not see the same latest checkpoint there: {_views(seen)}. Every "
+                              "rank reads and writes the same checkpoints: put the path on a filesystem that all "
+                              "nodes share (NFS, Lustre, ...), not on a disk of each node.")
+    return None if mine is None else mine[0]
+
+
+def _latest_seen(path: str) -> tuple[str, float] | None:
+    """The latest checkpoint this rank sees under `path` and when it was saved (the same name on two nodes' own
+    disks may hold different checkpoints)."""
+    found = checkpoint.latest_checkpoint(path)
+    return None if found is None else (found, read_manifest(Path(found)).saved_at)
+
+
+def _views(seen: list) -> str:
+    """'rank 0 sees ckpt/step-000004 (saved 2025-06-01 12:00:05); ranks 1, 2 see none': one group per view."""
+    groups: dict = {}
+    for rank, view in enumerate(seen):
+        groups.setdefault(view, []).append(rank)
+    parts = []
+    for view, ranks in groups.items():
+        who = f"rank {ranks[0]} sees" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} see"
+        parts.append(f"{who} {'none' if view is None else f'{view[0]} (saved {_clock(view[1])})'}")
+    return "; ".join(parts)
+
+
+def _clock(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
 
 
 def _local_batch(global_batch: int, world_size: int) -> int:
