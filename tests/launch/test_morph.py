@@ -153,6 +153,26 @@ def test_nodes_that_join_and_leave_resize_a_running_job(start, tmp_path):
     check(tmp_path, 2, len(by_step(losses(tmp_path))), stages=1)
 
 
+def test_a_job_killed_while_it_saves_resumes_from_the_checkpoint_before(start, tmp_path):
+    """Issue 5's test 4 with a sharded checkpoint: both ranks of a job stop in the save of step 4 once their data
+    files are written (a test hook of the training script), and then the whole job is killed (kill -9 of the
+    launcher and its ranks, as when the machine dies). The step-2 checkpoint stays the latest; a fresh `partita
+    run` resumes from it, trains on as one process would, and its first save removes what the killed one left."""
+    ckpt, marker = tmp_path / "ckpt", uuid.uuid4().hex
+    job = start(tmp_path, 2, "--hang-in-save", 4, marker=marker)
+    unfinished = wait_for(lambda: save_written_by_every_rank(ckpt, 4, ranks=2), job, "both ranks to write step 4")
+    kill_marked(marker)
+    assert job.wait(timeout=30) == -signal.SIGKILL
+    assert partita.latest_checkpoint(ckpt) == str(ckpt / "step-000002") and unfinished.is_dir()
+    assert [r["step"] for r in losses(tmp_path)] == [0, 1, 2, 3]
+    again = partita_run(tmp_path, 2)
+    assert again.returncode == 0, output(again)
+    assert f"resumed from {ckpt / 'step-000002'} at step 2" in rank0_logs(tmp_path / "logs")
+    assert [r["step"] for r in losses(tmp_path)] == [0, 1, 2, 3, 2, 3, 4, 5]
+    check(tmp_path, 2)  # steps 2 and 3, computed twice, came out bit for bit the same (by_step)
+    assert not unfinished.exists() and partita.latest_checkpoint(ckpt) == str(ckpt / "step-000006")
+
+
 def test_ranks_that_see_different_checkpoints_stop_at_once_and_say_why(tmp_path):
     """Checkpoints on each node's own disk: rank 0's holds one, rank 1's none. Rank 0 alone would load it (a
     collective) while rank 1 trains, and both would wait until the process-group timeout. Instead every rank stops
@@ -180,6 +200,15 @@ def assert_stopped_and_saved(job: subprocess.Popen, stdout: str, stderr: str, ru
 
 def losses_so_far(run_dir: Path) -> list[dict]:
     return losses(run_dir) if (run_dir / "losses.jsonl").exists() else []
+
+
+def save_written_by_every_rank(ckpt: Path, step: int, ranks: int) -> Path | None:
+    """The temporary directory of the save of `step`, once every rank's data file is in it (DCP names them
+    __<rank>_<n>.distcp)."""
+    for unfinished in ckpt.glob(f"step-{step:06d}.tmp-*"):
+        if all((unfinished / f"__{rank}_0.distcp").exists() for rank in range(ranks)):
+            return unfinished
+    return None
 
 
 def wait_for(condition, proc: subprocess.Popen, what: str, timeout_s: float = 120):

@@ -2,7 +2,7 @@
 
     <launcher> train_script.py RUN_DIR [--steps N] [--stages S | --auto-plan] [--plan PLAN.json]
                                        [--die-at STEP --die-rank R] [--stop-after STEP] [--step-sleep S]
-                                       [--disk-per-rank]
+                                       [--hang-in-save STEP] [--disk-per-rank]
 
 It trains 2 stages x (world / 2) replicas (one stage in one process) unless told otherwise, with Adam, on a
 fixed global batch per step whatever the world size, so every run computes one process's losses. Checkpoints go
@@ -12,6 +12,8 @@ RUN_DIR/plan-<world>.json, and at the end the final parameters to RUN_DIR/final.
 
 --die-at: rank R kills itself with SIGKILL at that step, once (it leaves RUN_DIR/died with the time of death).
 --stop-after: rank 0 sends itself SIGUSR1 after finishing that step (a stop request mid-run).
+--hang-in-save: every rank stops in the save of that step's checkpoint, after writing its data files, until it is
+killed (a job killed while it writes a checkpoint, every time).
 --disk-per-rank: each rank works in RUN_DIR/disk-<rank> and keeps its checkpoints under the relative path `ckpt`:
 the same path names another directory on each rank, as a path on each node's own disk would.
 """
@@ -45,6 +47,21 @@ def global_batch(step: int):
     return torch.randn(GLOBAL_BATCH, HIDDEN, generator=g), torch.randn(GLOBAL_BATCH, HIDDEN, generator=g)
 
 
+def hang_in_save(step: int) -> None:
+    """Make this process's checkpoint writer stop in the save of `step` once its data files are on disk."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write = FileSystemWriter.write_data
+
+    def write_then_hang(self, plan, planner):
+        written = write(self, plan, planner)
+        if f"step-{step:06d}.tmp-" in str(self.path):  # the save's temporary directory
+            time.sleep(600)  # killed long before
+        return written
+
+    FileSystemWriter.write_data = write_then_hang
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir")
@@ -56,6 +73,7 @@ def main() -> None:
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to wait in each step (a slower job)")
     ap.add_argument("--stages", type=int, help="stages (default: 2, or 1 in one process)")
     ap.add_argument("--auto-plan", action="store_true", help="let the planner choose the layout")
+    ap.add_argument("--hang-in-save", type=int, metavar="STEP", help="stop in the save of STEP until killed")
     ap.add_argument("--disk-per-rank", action="store_true", help="checkpoints on each rank's own 'disk'")
     args = ap.parse_args()
     run = Path(args.run_dir).resolve()  # --disk-per-rank changes the working directory
@@ -73,6 +91,8 @@ def main() -> None:
         (run / f"disk-{rank}").mkdir(exist_ok=True)
         os.chdir(run / f"disk-{rank}")
         ckpt = Path("ckpt")
+    if args.hang_in_save is not None:
+        hang_in_save(args.hang_in_save)
     job = partita.elastic(model, opt, ckpt, global_batch=GLOBAL_BATCH, save_every=2)
     (run / f"pid-{rank}").write_text(str(os.getpid()))
     for step in job.steps(args.steps):
