@@ -3,6 +3,7 @@ resized continues from its latest checkpoint and trains as if nothing had happen
 world; to one process's losses, fp32 rtol 1e-5, in another). Slurm's requeue is in test_slurm.py, Ray's
 restart in test_ray.py."""
 
+import json
 import os
 import signal
 import subprocess
@@ -50,17 +51,17 @@ def start():
         job.communicate(timeout=30)
 
 
-def test_a_stopped_and_a_killed_job_restart_and_resume_bit_for_bit(reference_run, tmp_path):
-    """Under `partita run --max-restarts 2`: SIGUSR1 after step 1 (a stop request: save at the step boundary,
-    exit 75, and the agent restarts the job), then kill -9 of rank 2 in step 3 (the agent restarts it again).
-    Each restart resumes from the latest checkpoint; the final parameters equal the uninterrupted run's."""
-    proc = partita_run(tmp_path, 4, "--plan", reference_run["plan"], "--stop-after", 1, "--die-at", 3,
-                       "--die-rank", 2, restarts=2)
+def test_kill_9_of_a_rank_restarts_from_the_last_checkpoint_bit_for_bit(reference_run, tmp_path):
+    """Issue 5's test 1 as written: kill -9 of rank 2 in step 3 under `partita run --max-restarts 1`, no plan given
+    (the planner runs, as in the uninterrupted reference run). The agent restarts the job, which resumes from the
+    step-2 checkpoint under the plan it was saved with; the final parameters equal the uninterrupted run's."""
+    proc = partita_run(tmp_path, 4, "--die-at", 3, "--die-rank", 2, restarts=1)
     assert proc.returncode == 0, output(proc)
     rows = losses(tmp_path)
-    # stopped after step 1 (saved step 2), killed in step 3 (the latest checkpoint is still step 2)
-    assert [(r["step"], r["attempt"]) for r in rows] == [(0, 0), (1, 0), (2, 1), (2, 2), (3, 2), (4, 2), (5, 2)]
-    assert "stopping at step 2 (SIGUSR1) after saving" in rank0_logs(tmp_path / "logs")
+    assert [(r["step"], r["attempt"]) for r in rows] == [(0, 0), (1, 0), (2, 0), (2, 1), (3, 1), (4, 1), (5, 1)]
+    assert f"resumed from {tmp_path / 'ckpt' / 'step-000002'} at step 2" in rank0_logs(tmp_path / "logs")
+    # plan-4.json is the restarted attempt's plan: the one the uninterrupted run made
+    assert layout(tmp_path / "plan-4.json") == layout(reference_run["plan"])
     assert by_step(rows) == by_step(losses(reference_run["dir"]))
     final, reference = torch.load(tmp_path / "final.pt"), reference_run["final"]
     assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in reference)
@@ -102,18 +103,23 @@ def test_a_stop_signal_to_the_launcher_saves_stops_with_a_distinct_status_and_lo
 
 
 def test_resizing_replans_and_keeps_the_global_batch(tmp_path):
-    """4 ranks for 2 steps (2 stages x 2 replicas), then 2 ranks for 2 steps (as the planner chooses), then 4
-    ranks again (4 stages): each run resumes where the last stopped, under its own plan, with the same global
-    batch, and the losses are one process's."""
-    for ranks, until, plan in ((4, 2, ["--stages", 2]), (2, 4, ["--auto-plan"]), (4, 6, ["--stages", 4])):
+    """4 ranks for 2 steps (2 stages), then 2 ranks for 2 steps and 4 ranks for 2 more, both as the planner
+    chooses (here 1 x 2, then 1 x 4: data parallel suits this small model): each run resumes where the last
+    stopped, under a plan of its own (other stages or replicas than the run before), with the same global batch,
+    and the losses are one process's."""
+    shapes = []
+    for ranks, until, plan in ((4, 2, ["--stages", 2]), (2, 4, ["--auto-plan"]), (4, 6, ["--auto-plan"])):
         proc = partita_run(tmp_path, ranks, "--steps", until, *plan)
         assert proc.returncode == 0, output(proc)
+        shapes.append(stages_and_replicas(tmp_path / f"plan-{ranks}.json"))
+    # the planner may place 2 stages on each rank (a looped schedule) on 4 ranks: 2 x 4 as well as 2 x 2
+    assert shapes[0][0] == 2 and shapes[1] != shapes[0] and shapes[2] != shapes[1], shapes
     logs = rank0_logs(tmp_path / "logs")
     for before, after in ((4, 2), (2, 4)):
         assert (f"the world changed from {before} to {after} rank(s), so the model is planned again; global batch 16 "
                 f"= {after} rank(s) x {16 // after} rows") in logs, logs
     assert [(r["step"], r["world"]) for r in losses(tmp_path)] == [(0, 4), (1, 4), (2, 2), (3, 2), (4, 4), (5, 4)]
-    check(tmp_path, 4, stages=4)  # the last plan
+    check(tmp_path, 4, stages=shapes[2][0])  # the last plan
 
 
 def test_nodes_that_join_and_leave_resize_a_running_job(start, tmp_path):
@@ -200,6 +206,19 @@ def assert_stopped_and_saved(job: subprocess.Popen, stdout: str, stderr: str, ru
 
 def losses_so_far(run_dir: Path) -> list[dict]:
     return losses(run_dir) if (run_dir / "losses.jsonl").exists() else []
+
+
+def stages_and_replicas(plan_file: Path) -> tuple[int, int]:
+    plan = json.loads(plan_file.read_text())
+    return len(plan["stages"]), len(plan["stages"][0]["ranks"])
+
+
+def layout(plan_file) -> tuple:
+    """What decides a plan's arithmetic: stages (blocks, ranks, recompute), schedule and micro-batches; not the
+    estimates, which hold the planner's own run time."""
+    plan = json.loads(Path(plan_file).read_text())
+    stages = [(tuple(s["blocks"]), tuple(s["ranks"]), s["recompute"]) for s in plan["stages"]]
+    return plan["schedule"], plan["num_microbatches"], stages
 
 
 def save_written_by_every_rank(ckpt: Path, step: int, ranks: int) -> Path | None:

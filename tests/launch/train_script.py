@@ -4,11 +4,11 @@
                                        [--die-at STEP --die-rank R] [--stop-after STEP] [--step-sleep S]
                                        [--hang-in-save STEP] [--disk-per-rank]
 
-It trains 2 stages x (world / 2) replicas (one stage in one process) unless told otherwise, with Adam, on a
-fixed global batch per step whatever the world size, so every run computes one process's losses. Checkpoints go
-to RUN_DIR/ckpt every 2 steps. Rank 0 appends one JSON line per step to RUN_DIR/losses.jsonl (step, loss, world
-size, attempt of torch's agent, run of a requeued Slurm job, time), the plan of each world size it ran in to
-RUN_DIR/plan-<world>.json, and at the end the final parameters to RUN_DIR/final.pt.
+It trains 2 stages (one in one process; the planner chooses replicas, placement and schedule) unless told
+otherwise, with Adam, on a fixed global batch per step whatever the world size, so every run computes one process's
+losses. Checkpoints go to RUN_DIR/ckpt every 2 steps. Rank 0 appends one JSON line per step to RUN_DIR/losses.jsonl
+(step, loss, world size, attempt of torch's agent, run of a requeued Slurm job, time), the plan of each world size
+it ran in to RUN_DIR/plan-<world>.json, and at the end the final parameters to RUN_DIR/final.pt.
 
 --die-at: rank R kills itself with SIGKILL at that step, once (it leaves RUN_DIR/died with the time of death).
 --stop-after: rank 0 sends itself SIGUSR1 after finishing that step (a stop request mid-run).
