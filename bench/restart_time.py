@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+JOB_TIMEOUT_S = 300  # a job here takes 15-40 s; one that has not trained or ended by then never will
 
 SCRIPT = """
 import json, os, signal, sys, time
@@ -82,7 +83,7 @@ def kill_and_restart(script: Path, ranks: int, env: dict) -> tuple[float, float]
         run = Path(tmp)
         started = time.time()
         subprocess.run([*_partita_run(run, script, ranks, "--max-restarts", "1"), str(run), "9", "14"], check=True,
-                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=JOB_TIMEOUT_S)
         rows = _steps(run)
         died = float((run / "died").read_text())
         return rows[0]["time"] - started, next(r["time"] for r in rows if r["time"] > died) - died
@@ -94,14 +95,48 @@ def stop_latency(script: Path, ranks: int, env: dict) -> float:
         run = Path(tmp)
         proc = subprocess.Popen([*_partita_run(run, script, ranks), str(run), "-1", "100000"], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        while len(_steps(run)) < 6:
-            time.sleep(0.05)
-        sent = time.time()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=120)
+        try:
+            _wait_for_steps(run, proc, 6)
+            sent = time.time()
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=120)
+        finally:
+            _stop(proc)
         if code != 75:
-            raise RuntimeError(f"partita run exited with {code} after SIGTERM, not 75")
+            raise RuntimeError(f"partita run exited with {code} after SIGTERM, not 75{_rank0_log_tail(run)}")
         return time.time() - sent
+
+
+def _wait_for_steps(run: Path, proc: subprocess.Popen, count: int) -> None:
+    """Until the job has trained `count` steps; an error if it ends first or takes longer than JOB_TIMEOUT_S."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while len(_steps(run)) < count:
+        if proc.poll() is not None:
+            raise RuntimeError(f"partita run exited with {proc.returncode} before the job trained {count} steps"
+                               f"{_rank0_log_tail(run)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the job trained {len(_steps(run))} of {count} steps in {JOB_TIMEOUT_S} s: it is stuck "
+                               f"(or the machine far too busy to measure on){_rank0_log_tail(run)}")
+        time.sleep(0.05)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a job that is still running: SIGTERM lets the agent stop its ranks (they run in sessions of their own
+    and would outlive a killed agent); SIGKILL if that does not end it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _rank0_log_tail(run: Path, lines: int = 15) -> str:
+    """The end of rank 0's stderr, for an error message (the run's directory is deleted afterwards)."""
+    logs = sorted((run / "logs").glob("*/attempt_*/0/stderr.log"))
+    tail = logs[-1].read_text(errors="replace").splitlines()[-lines:] if logs else []
+    return "; the end of rank 0's log:\n" + "\n".join(tail) if tail else ""
 
 
 def main() -> None:
