@@ -14,15 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from turns import seconds_per_step, warmed_step  # noqa: E402
+
 ROUNDS = 3  # turns of every configuration, interleaved
 GRID = [(1, 1, "GPipe"), (2, 2, "GPipe"), (2, 4, "GPipe"), (2, 4, "1F1B"), (2, 8, "1F1B"), (4, 4, "GPipe"),
         (4, 4, "1F1B"), (4, 8, "1F1B")]  # stages, micro-batches, schedule
@@ -76,33 +77,6 @@ def _parameter_balanced(plan, graph):
                    reasons=("boundaries balance parameter counts (DeepSpeed's default)",))
 
 
-def _step_function(pm, opt, batch, local_batch):
-    x, y = batch(local_batch)
-
-    def step():
-        opt.zero_grad()
-        pm(x, y).backward()
-        opt.step()
-    for _ in range(2):  # the first call captures, measures and plans; the second warms up
-        step()
-    return step
-
-
-def _throughputs(steps_of: list, rows_per_step: int, steps: int, torch) -> list[float]:
-    """Samples per second of each step function. They take turns, ROUNDS times, so that a slow spell of the
-    shared machine weighs on every configuration alike; the median of the rounds is kept."""
-    seconds: list[list[float]] = [[] for _ in steps_of]
-    for _ in range(ROUNDS):
-        for times, step in zip(seconds, steps_of):
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            torch.distributed.barrier()
-            times.append((time.perf_counter() - start) / steps)
-    return [rows_per_step / statistics.median(t) for t in seconds]
-
-
 def worker(out: str, steps: int) -> None:
     import torch
 
@@ -114,22 +88,22 @@ def worker(out: str, steps: int) -> None:
         model, loss_fn, batch, local_batch = make()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         pm = partita.parallelize(model, opt, loss_fn=loss_fn, **plan_args)
-        return pm, _step_function(pm, opt, batch, local_batch), local_batch * w.world_size
+        return pm, warmed_step(pm, opt, *batch(local_batch)), local_batch * w.world_size
 
-    gpt = [build(_gpt)] + [build(_gpt, stages=st, micro_batches=m, schedule=sc) for st, m, sc in GRID
-                           if w.world_size % st == 0]
-    rates = _throughputs([step for _, step, _ in gpt], gpt[0][2], steps, torch)
+    grid = [(st, m, sc) for st, m, sc in GRID if w.world_size % st == 0]
+    gpt = [build(_gpt)] + [build(_gpt, stages=st, micro_batches=m, schedule=sc) for st, m, sc in grid]
+    rates = [gpt[0][2] / s for s in seconds_per_step([step for _, step, _ in gpt], ROUNDS, steps)]
     ours, ours_step, rows = build(_imbalanced, stages=w.world_size, schedule="1F1B")
     theirs, theirs_step, _ = build(_imbalanced, plan=_parameter_balanced(ours.plan, ours._graph))
-    imbalanced = _throughputs([ours_step, theirs_step], rows, steps, torch)
+    imbalanced = [rows / s for s in seconds_per_step([ours_step, theirs_step], ROUNDS, steps)]
     if w.rank == 0:
         results = {
             "auto": {"samples_per_s": rates[0], "plan": gpt[0][0].plan.explain().splitlines()[0],
                      "reasons": list(gpt[0][0].plan.reasons)},
             "grid": [{"config": list(cfg), "samples_per_s": r, "plan": pm.plan.explain().splitlines()[0]}
-                     for cfg, (pm, _, _), r in zip([c for c in GRID if w.world_size % c[0] == 0], gpt[1:], rates[1:])],
-            "imbalanced": {"partita": imbalanced[0], "parameters": imbalanced[1],
-                           "partita_plan": ours.plan.explain(), "parameter_ranges": [s.blocks for s in theirs.plan.stages]},
+                     for cfg, (pm, _, _), r in zip(grid, gpt[1:], rates[1:])],
+            "imbalanced": {"partita": imbalanced[0], "parameters": imbalanced[1], "partita_plan": ours.plan.explain(),
+                           "parameter_ranges": [s.blocks for s in theirs.plan.stages]},
         }
         Path(out).write_text(json.dumps(results))
     partita.shutdown()

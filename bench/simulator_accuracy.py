@@ -16,10 +16,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from turns import seconds_per_step, warmed_step  # noqa: E402
+
+ROUNDS = 5  # turns of every configuration, interleaved
 
 # (model, ranks, stages, micro-batches, schedule, local batch)
 CONFIGS = [
@@ -51,48 +55,38 @@ def _model(name: str):
     return model, lm_loss, lambda b: (torch.randint(0, 256, (b, 64)), torch.randint(0, 256, (b, 64)))
 
 
-def worker(out: str, steps: int, configs: list) -> None:
+def _build(name: str, stages: int, mbs: int, schedule: str, local_batch: int):
     import torch
 
     import partita
 
+    model, loss_fn, batch = _model(name)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    pm = partita.parallelize(model, opt, loss_fn=loss_fn, stages=stages, micro_batches=mbs, schedule=schedule)
+    return pm, warmed_step(pm, opt, *batch(local_batch))
+
+
+def worker(out: str, steps: int, configs: list) -> None:
+    import partita
+
     w = partita.init()
-    results = []
-    for name, ranks, stages, mbs, schedule, local_batch in configs:
-        model, loss_fn, batch = _model(name)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        pm = partita.parallelize(model, opt, loss_fn=loss_fn, stages=stages, micro_batches=mbs, schedule=schedule)
-        x, y = batch(local_batch)
-
-        def step():
-            opt.zero_grad()
-            pm(x, y).backward()
-            opt.step()
-
-        for _ in range(2):  # the first call captures, measures and plans; the second warms up
-            step()
-        blocks = []
-        for _ in range(3):  # steady state: consecutive steps, as in training; the median of three blocks
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            torch.distributed.barrier()
-            blocks.append((time.perf_counter() - start) / steps)
-        if w.rank == 0:
-            cluster = pm._costs[1]
-            results.append({"config": [name, ranks, stages, mbs, schedule, local_batch],
-                            "predicted": pm.plan.estimate.step_s, "measured": statistics.median(blocks),
-                            "plan": pm.plan.explain().splitlines()[0], "overheads": cluster.overheads_s,
-                            "stages": [(s.fwd_s, s.bwd_s) for s in pm.plan.stages]})
+    built = [_build(name, stages, mbs, schedule, batch) for name, _, stages, mbs, schedule, batch in configs]
+    measured = seconds_per_step([step for _, step in built], ROUNDS, steps)
     if w.rank == 0:
+        results = []
+        for config, (pm, _), seconds in zip(configs, built, measured):
+            profile, cluster = pm._costs
+            results.append({"config": config, "predicted": pm.plan.estimate.step_s,
+                            "measured": seconds, "plan": pm.plan.explain().splitlines()[0],
+                            "overheads": asdict(cluster.overheads), "stream_bps": profile.param_stream_bps,
+                            "stages": [(s.fwd_s, s.bwd_s) for s in pm.plan.stages]})
         Path(out).write_text(json.dumps(results))
     partita.shutdown()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6, help="consecutive steps per timed block (3 blocks)")
+    ap.add_argument("--steps", type=int, default=8, help="consecutive steps per timed turn")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--configs", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -120,8 +114,12 @@ def main() -> None:
               f"{r['measured'] * 1e3:8.1f}ms {100 * err:+6.1f}%   fwd/bwd per micro-batch (ms): {per_stage}")
     for ranks in sorted({r["config"][1] for r in rows}):
         o = next(r["overheads"] for r in rows if r["config"][1] == ranks)
-        print(f"simulator_accuracy: measured runtime overheads at {ranks} ranks: data-parallel step {o[0] * 1e3:.2f} ms, "
-              f"pipeline step {o[1] * 1e3:.2f} ms, per action {o[2] * 1e3:.3f} ms")
+        print(f"simulator_accuracy: measured runtime overheads at {ranks} ranks: data-parallel step "
+              f"{o['data_parallel_step_s'] * 1e3:.2f} ms, pipeline step {o['pipeline_step_s'] * 1e3:.2f} ms, per "
+              f"action {o['action_s'] * 1e3:.3f} ms, per message {o['message_s'] * 1e3:.3f} ms, DDP all-reduce x "
+              f"{1 + o['allreduce_interference']:.2f}; parameter stream "
+              + ", ".join(f"{r['config'][0]} {r['stream_bps'] / 1e9:.1f} GB/s" for r in rows
+                          if r["config"][1] == ranks and r["config"][2:4] == [1, 1]))
     print(f"simulator_accuracy: {len(errors)} configurations, median |error| {100 * statistics.median(errors):.1f}%, "
           f"max {100 * max(errors):.1f}%")
 

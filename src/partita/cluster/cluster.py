@@ -17,6 +17,22 @@ class Link:
 
 
 @dataclass(frozen=True)
+class RuntimeOverheads:
+    """What partita's own runtime costs beyond the model's compute, measured on a job's real ranks."""
+
+    data_parallel_step_s: float  # per data-parallel step: DDP and the global-loss all-reduce
+    pipeline_step_s: float  # per pipeline step: routing rows, agreeing on shapes, summing the loss
+    action_s: float  # per pipeline action, on the rank that runs it (torch's stage machinery, posting messages)
+    # per message between stages, from the end of the sender's action to the start of the receiver's: it
+    # delays the receiver without occupying either rank (0: not measured; the link's latency stands)
+    message_s: float = 0.0
+    # data parallelism (DDP) all-reduces gradients while the backward still runs; where that costs more than
+    # the all-reduce alone (on CPUs whose cores the ranks share, both compete for them), the all-reduce counts
+    # (1 + this) times its time alone
+    allreduce_interference: float = 0.0
+
+
+@dataclass(frozen=True)
 class DeviceSpec:
     name: str
     memory_bytes: int
@@ -50,7 +66,7 @@ class Cluster:
     allreduce_ranks: int = 0
     memory_bytes: int = 0  # per rank, when less than the device's (shared host RAM, a user limit)
     fixed_overhead_bytes: int = -1  # measured; -1: the device preset's
-    overheads_s: tuple[float, float, float] | None = None  # measured (data parallel step, pipeline step, action)
+    overheads: RuntimeOverheads | None = None  # measured; None: the device preset's typical values
     cores_per_node: int = 0  # CPU cores shared by a node's ranks; 0: every rank has a device of its own
     notes: tuple[str, ...] = field(default=())
 
@@ -67,12 +83,16 @@ class Cluster:
         return self.fixed_overhead_bytes if self.fixed_overhead_bytes >= 0 else self.device.fixed_overhead_bytes
 
     @property
+    def allreduce_interference(self) -> float:
+        return self.overheads.allreduce_interference if self.overheads else 0.0
+
+    @property
     def action_overhead_s(self) -> float:
-        return self.overheads_s[2] if self.overheads_s else self.device.action_overhead_s
+        return self.overheads.action_s if self.overheads else self.device.action_overhead_s
 
     def step_overhead_s(self, pipelined: bool) -> float:
-        if self.overheads_s:
-            return self.overheads_s[1] if pipelined else self.overheads_s[0]
+        if self.overheads:
+            return self.overheads.pipeline_step_s if pipelined else self.overheads.data_parallel_step_s
         return self.device.pipeline_step_overhead_s if pipelined else self.device.data_parallel_step_overhead_s
 
     def contention(self, busy_fraction: float) -> float:
@@ -86,9 +106,13 @@ class Cluster:
         return rank // self.devices_per_node
 
     def link(self, a: int, b: int) -> Link:
-        if self.p2p is not None:
-            return self.p2p
-        return self.device.intra_node if self.node_of(a) == self.node_of(b) else self.device.inter_node
+        """What a message from rank a to rank b costs: the measured link, with the runtime's measured delay
+        per message as its latency where there is one, else the device's nominal link."""
+        if self.p2p is None:
+            return self.device.intra_node if self.node_of(a) == self.node_of(b) else self.device.inter_node
+        if self.overheads and self.overheads.message_s:
+            return Link(self.overheads.message_s, self.p2p.bandwidth_bps)
+        return self.p2p
 
     def allreduce_s(self, nbytes: float, ranks: tuple[int, ...] | list[int]) -> float:
         """Seconds to sum `nbytes` over `ranks` with a ring: 2(n-1) steps of nbytes/n on the slowest link."""

@@ -19,6 +19,10 @@ class BlockCost:
 class Profile:
     source: str  # "measured on cpu, torch 2.13.0" / "estimated for A100-40GB (roofline)"
     blocks: tuple[BlockCost, ...]  # one per ModelGraph block, same order
+    # bytes per second of an elementwise pass over memory the size of the model's parameters (adding one
+    # micro-batch's gradients, an optimizer step); 0: not measured, the device's memory bandwidth stands. On a
+    # CPU a small model's parameters stay in cache, several times faster than a large copy.
+    param_stream_bps: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -28,7 +32,7 @@ class Profile:
         data = json.loads(text)
         fit = lambda d: Fit(tuple(tuple(line) for line in d["lines"]))  # noqa: E731
         return cls(data["source"], tuple(BlockCost(fit(b["fwd_s"]), fit(b["bwd_s"]), fit(b["activation_bytes"]))
-                                          for b in data["blocks"]))
+                                          for b in data["blocks"]), data.get("param_stream_bps", 0.0))
 
 
 def roofline_profile(graph: ModelGraph, device, dtype: str = "float32") -> Profile:

@@ -8,8 +8,8 @@ allocates a receive buffer per micro-batch for activations and for gradients; th
 buckets) + the process's fixed overhead.
 
 Time of a stage per micro-batch = forward + backward (+ forward again when recomputed); transfers to the
-neighbour stages; and, after the pipeline drains, the all-reduce of its gradients over its replicas and the
-optimizer step, which partita's runtime does not overlap with the pipeline.
+neighbour stages; and, after the pipeline drains, the all-reduce of its gradients over its replicas, putting
+them into .grad and the optimizer step, which partita's runtime does not overlap with the pipeline.
 """
 
 from __future__ import annotations
@@ -79,6 +79,9 @@ class StageCost:
     param_bytes: int
     allreduce_s: float  # summing its gradients over its replicas, after the pipeline
     optimizer_s: float  # the optimizer step on its parameters
+    # a pipeline holds a step's gradients aside until loss.backward() (so that the caller's gradient scales them):
+    # packing them for the all-reduce, scaling them and putting them into .grad, after the pipeline
+    apply_gradients_s: float = 0.0
 
     @property
     def work_s(self) -> float:
@@ -92,6 +95,7 @@ class CostModel:
                  layout: Layout):
         self.graph, self.profile, self.cluster, self.layout = graph, profile, cluster, layout
         self.optimizer_factor = optimizer_factor
+        self.stream_bps = profile.param_stream_bps or cluster.device.mem_bandwidth_bps
         rows = layout.microbatch_rows
         n = graph.num_blocks
         self._fwd = _prefix([profile.blocks[i].fwd_s.at(rows) for i in range(n)])
@@ -182,21 +186,29 @@ class CostModel:
                     blocks=(start, stop), recompute=rc, fwd_s=fwd, bwd_s=bwd + (fwd if rc else 0.0),
                     send_fwd_s=self.boundary_s(stage, stop), send_bwd_s=self.boundary_s(stage - 1, start) if stage else 0.0,
                     memory=memory, param_bytes=int(params), allreduce_s=self.allreduce_s(stage, int(params)),
-                    optimizer_s=self.optimizer_s(int(params)))
+                    optimizer_s=self.optimizer_s(int(params)), apply_gradients_s=self._apply_gradients_s(params))
         return None
 
     def _gradient_traffic_s(self, param_bytes: int) -> float:
         """Writing a backward's parameter gradients: a pipeline adds each micro-batch's into .grad (read both,
         write one); DDP copies them into its buckets (read one, write one). Block profiles miss it: they take
         gradients with autograd.grad, which accumulates nothing."""
-        return param_bytes * (3 if self.pipelined else 2) / self.cluster.device.mem_bandwidth_bps
+        return param_bytes * (3 if self.pipelined else 2) / self.stream_bps
+
+    def _apply_gradients_s(self, param_bytes: float) -> float:
+        """After a pipelined step: with replicas, the gradients are copied into all-reduce buckets (read one, write
+        one); then scaled (read one, write one). DDP does none of this outside its backward."""
+        if not self.pipelined:
+            return 0.0
+        passes = 2 + (2 if self.layout.num_replicas > 1 else 0)
+        return param_bytes * passes / self.stream_bps * self.step_stretch
 
     def allreduce_s(self, stage: int, param_bytes: int) -> float:
         return self.cluster.allreduce_s(param_bytes, self.ranks[stage])
 
     def optimizer_s(self, param_bytes: int) -> float:
         """The optimizer step is memory-bound: read weights, gradients and state, write weights and state."""
-        return param_bytes * (3 + 2 * self.optimizer_factor) / self.cluster.device.mem_bandwidth_bps * self.step_stretch
+        return param_bytes * (3 + 2 * self.optimizer_factor) / self.stream_bps * self.step_stretch
 
 
 @lru_cache(maxsize=1024)

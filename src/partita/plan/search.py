@@ -281,10 +281,11 @@ class _PartitionSearch:
 
     def _tail(self, cost: StageCost) -> float:
         if self.model.layout.data_parallel_only:
-            # DDP reduces buckets while the backward runs: only what outlasts the backward shows
+            # DDP reduces buckets while the backward runs: only what outlasts the backward shows, and that
+            # costs more where the two compete for the same cores (the measured interference)
             exposed = max(cost.allreduce_s - cost.bwd_s, cost.allreduce_s * min(1.0, 25e6 / max(cost.param_bytes, 1)))
-            return exposed + cost.optimizer_s
-        return cost.allreduce_s + cost.optimizer_s
+            return exposed * (1.0 + self.model.cluster.allreduce_interference) + cost.optimizer_s
+        return cost.allreduce_s + cost.apply_gradients_s + cost.optimizer_s
 
     def _descend(self, stage: int, start: int, path: _Path) -> None:
         if stage == self.model.layout.num_stages:

@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
-from partita.cluster import DEVICES, Cluster, DeviceSpec, Link
+from partita.cluster import DEVICES, Cluster, DeviceSpec, Link, RuntimeOverheads
 from partita.graph import ModelGraph, Profile
 from partita.profile import cache
-from partita.profile.blocks import measure_blocks, profile_rows
+from partita.profile.blocks import measure_blocks, profile_rows, stream_bandwidth
 from partita.profile.comm import measure_allreduce, measure_p2p
 from partita.profile.overheads import measure_overheads
 
 __all__ = ["device_spec", "measure"]
 
-MEASUREMENT_VERSION = 4  # part of every cache key: measurements made differently are not reused
+MEASUREMENT_VERSION = 6  # part of every cache key: measurements made differently are not reused
 
 
 def device_spec(device: torch.device) -> DeviceSpec:
@@ -78,37 +79,42 @@ def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loc
     cached_profile = cache.load("profile", blocks_key) if rank == 0 else None
     cached_links = cache.load("links", links_key) if rank == 0 else None
 
+    at_once = cores if local_world_size > cores else 0
     if _agreed(cached_profile is not None):
         profile = Profile.from_json(cached_profile) if rank == 0 else None
     else:
-        costs = measure_blocks(cap, graph, local_batch, device, show_progress,
-                               at_once=cores if local_world_size > cores else 0)
+        costs = measure_blocks(cap, graph, local_batch, device, show_progress, at_once=at_once)
         profile = None
         if rank == 0:
             source = f"measured on {spec.name if device.type == 'cuda' else 'cpu'} ({device}), torch {torch.__version__}"
-            profile = Profile(source, tuple(costs[b.signature] for b in graph.blocks))
+            profile = Profile(source, tuple(costs[b.signature] for b in graph.blocks),
+                              stream_bandwidth(sum(graph.param_bytes.values()), device))
             cache.store("profile", blocks_key, profile.to_json())
+
+    per_node = max(1, min(local_world_size, world))
+
+    def cluster_of(links: dict, overhead_bytes: int = -1) -> Cluster:
+        return Cluster(
+            device=spec, num_nodes=max(1, world // per_node), devices_per_node=per_node,
+            p2p=Link(*links["p2p"]) if links["p2p"] else None,
+            allreduce=Link(*links["allreduce"]) if links["allreduce"] else None, allreduce_ranks=world,
+            memory_bytes=memory_per_rank, fixed_overhead_bytes=overhead_bytes,
+            overheads=RuntimeOverheads(**links["overheads"]) if links.get("overheads") else None,
+            cores_per_node=cores if per_node > cores else 0,
+        )
 
     if _agreed(cached_links is not None):
         links = json.loads(cached_links) if rank == 0 else None
     else:
         p2p, allreduce = measure_p2p(device), measure_allreduce(device)
-        runtime = measure_overheads() if world > 1 else None
         links = {"p2p": p2p and [p2p.latency_s, p2p.bandwidth_bps],
-                 "allreduce": allreduce and [allreduce.latency_s, allreduce.bandwidth_bps],
-                 "overheads": runtime and [runtime.data_parallel_step_s, runtime.pipeline_step_s, runtime.action_s]}
+                 "allreduce": allreduce and [allreduce.latency_s, allreduce.bandwidth_bps], "overheads": None}
+        if world > 1:  # collective; fitted on rank 0, against the links just measured
+            runtime = measure_overheads(cluster_of(links) if rank == 0 else None, device, at_once)
+            links["overheads"] = runtime and asdict(runtime)
         if rank == 0:
             cache.store("links", links_key, json.dumps(links))
     overhead = _process_bytes(device)
     if rank != 0:
         return None, None
-    per_node = max(1, min(local_world_size, world))
-    cluster = Cluster(
-        device=spec, num_nodes=max(1, world // per_node), devices_per_node=per_node,
-        p2p=Link(*links["p2p"]) if links["p2p"] else None,
-        allreduce=Link(*links["allreduce"]) if links["allreduce"] else None, allreduce_ranks=world,
-        memory_bytes=memory_per_rank, fixed_overhead_bytes=overhead,
-        overheads_s=tuple(links["overheads"]) if links.get("overheads") else None,
-        cores_per_node=cores if per_node > cores else 0,
-    )
-    return profile, cluster
+    return profile, cluster_of(links, overhead)

@@ -24,6 +24,7 @@ from partita.capture.split import split
 from partita.graph import Block, BlockCost, Fit, ModelGraph
 
 REPEATS = 5  # timed samples per measurement; the median is kept
+COLD_REPEATS = 15  # single calls timed after evicting the cache: noisier, so more of them
 ROUNDS = 3  # passes over all measurements, interleaved; the median of each is kept
 SAMPLE_S = 2e-3  # a sample repeats the call until it lasts this long: a sub-millisecond call timed once is noise
 
@@ -80,6 +81,38 @@ def _median_seconds(fn: Callable[[], object], device: torch.device) -> float:
         _sync(device)
         times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
+
+
+STREAM_BYTES_RANGE = (64 * 2**10, 512 * 2**20)  # measured at the parameters' size, within this range
+_LAST_LEVEL_CACHE_BYTES = 64 * 2**20  # more than a CPU's last-level cache: writing this much evicts it
+
+
+def _cold_median_seconds(fn: Callable[[], object], device: torch.device, evict: torch.Tensor) -> float:
+    """Seconds per call: the median of COLD_REPEATS calls, each after writing `evict` (so each starts with
+    the caches it covers holding none of fn's data)."""
+    times = []
+    for i in range(COLD_REPEATS + 1):
+        evict.fill_(float(i))
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def stream_bandwidth(param_bytes: int, device: torch.device) -> float:
+    """Bytes per second of `a += b` over float32 buffers the size of the parameters (read two, write one),
+    each pass starting with both out of cache, as in a training step, where the forward and backward between
+    two passes over the gradients have filled the cache with activations: what adding a micro-batch's
+    gradients into .grad, and an optimizer step, run at for this model."""
+    low, high = STREAM_BYTES_RANGE
+    numel = min(max(int(param_bytes), low), high) // 4
+    total, delta = torch.zeros(numel, device=device), torch.ones(numel, device=device)
+    if device.type != "cpu":
+        return 3 * 4 * numel / _median_seconds(lambda: total.add_(delta), device)
+    evict = torch.zeros(_LAST_LEVEL_CACHE_BYTES // 4, device=device)
+    return 3 * 4 * numel / _cold_median_seconds(lambda: total.add_(delta), device, evict)
 
 
 def backward_launch_seconds(device: torch.device) -> float:

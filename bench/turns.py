@@ -1,0 +1,37 @@
+"""Timing shared by the benchmarks: training steps of several configurations, timed in interleaved turns."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def warmed_step(pm, opt, x, y) -> Callable[[], None]:
+    """One training step of `pm` on (x, y), after the two calls that capture, measure, plan and warm up."""
+    def step():
+        opt.zero_grad()
+        pm(x, y).backward()
+        opt.step()
+
+    for _ in range(2):
+        step()
+    return step
+
+
+def seconds_per_step(steps: list[Callable[[], None]], rounds: int, count: int) -> list[float]:
+    """Seconds per step of each step function. They take turns, `rounds` times, each running `count`
+    consecutive steps between barriers: a slow spell of the shared machine then spoils one turn of each
+    rather than every turn of one, and the median of each one's turns drops it."""
+    import torch.distributed as dist
+
+    seconds: list[list[float]] = [[] for _ in steps]
+    for _ in range(rounds):
+        for times, step in zip(seconds, steps):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(count):
+                step()
+            dist.barrier()
+            times.append((time.perf_counter() - start) / count)
+    return [statistics.median(t) for t in seconds]
