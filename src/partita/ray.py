@@ -119,10 +119,15 @@ def _bootstrap(address: str) -> str:
     machine, as Ray finds it); any other address as it is."""
     if address != "auto":
         return address
-    from ray._private.services import canonicalize_bootstrap_address  # what ray.init(address="auto") does
+    from ray._private.services import canonicalize_bootstrap_address, find_bootstrap_address
 
+    # the address `ray start` recorded comes first; ray.init("auto") would take any other running cluster
+    # instead whenever there is one, even when the recorded one has died (its "legacy" fallback)
+    recorded = find_bootstrap_address(None)
+    if recorded:
+        return recorded
     try:
-        return canonicalize_bootstrap_address("auto")
+        return canonicalize_bootstrap_address("auto")  # what ray.init(address="auto") does
     except ConnectionError:
         raise LaunchError("the Ray address is auto, but no Ray cluster runs on this machine. Start one with `ray "
                           "start --head`, pass the address of another (HOST:6379), or leave the address out to start "
