@@ -15,7 +15,7 @@ them into .grad and the optimizer step, which partita's runtime does not overlap
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from partita.cluster import Cluster
 from partita.graph import ModelGraph, Profile
@@ -97,14 +97,10 @@ class CostModel:
         self.optimizer_factor = optimizer_factor
         self.stream_bps = profile.param_stream_bps or cluster.device.mem_bandwidth_bps
         rows = layout.microbatch_rows
-        n = graph.num_blocks
-        self._fwd = _prefix([profile.blocks[i].fwd_s.at(rows) for i in range(n)])
-        self._bwd = _prefix([profile.blocks[i].bwd_s.at(rows) for i in range(n)])
-        self._act = _prefix([profile.blocks[i].activation_bytes.at(rows) for i in range(n)])
+        self._fwd, self._bwd, self._act = _block_prefixes(profile, rows)
         self._boundary = [b.at(rows) for b in graph.boundary_bytes]
         self._writes = [b.writes_buffers for b in graph.blocks]
-        self.ranks = rank_layout(layout.schedule, layout.num_stages, layout.num_replicas)  # [stage][replica]
-        self.in_flight = _in_flight(layout.schedule, layout.num_stages, layout.pipeline_size, layout.num_microbatches)
+        self.ranks = _rank_layout(layout.schedule, layout.num_stages, layout.num_replicas)  # [stage][replica]
         self._stage = lru_cache(maxsize=None)(self._compute_stage)
         self.pipelined = not layout.data_parallel_only
         # bytes of weights + gradients + optimizer state per byte of parameters
@@ -116,6 +112,13 @@ class CostModel:
         bubble = (layout.pipeline_size - 1) / (layout.num_microbatches * per_rank + layout.pipeline_size - 1)
         self.compute_stretch = cluster.contention(1.0 - bubble)
         self.step_stretch = cluster.contention(1.0)  # every rank steps its optimizer at the same time
+
+    @cached_property
+    def in_flight(self) -> tuple[int, ...]:
+        """Per stage, the micro-batches whose activations it holds at once (from the schedule's orders: only
+        layouts whose stages are costed need them, not those the bounds rule out unsearched)."""
+        lay = self.layout
+        return _in_flight(lay.schedule, lay.num_stages, lay.pipeline_size, lay.num_microbatches)
 
     def param_bytes(self, start: int, stop: int) -> int:
         return self.graph.param_bytes_of(start, stop)
@@ -214,6 +217,20 @@ class CostModel:
 @lru_cache(maxsize=1024)
 def _in_flight(schedule: str, num_stages: int, pipeline_size: int, num_microbatches: int) -> tuple[int, ...]:
     return microbatches_in_flight(orders(schedule, num_stages, pipeline_size, num_microbatches), num_stages)
+
+
+@lru_cache(maxsize=256)
+def _block_prefixes(profile: Profile, rows: int) -> tuple[list[float], list[float], list[float]]:
+    """Prefix sums over the blocks of forward seconds, backward seconds and activation bytes at `rows` rows
+    (shared by every layout with micro-batches of that size)."""
+    blocks = profile.blocks
+    return (_prefix([b.fwd_s.at(rows) for b in blocks]), _prefix([b.bwd_s.at(rows) for b in blocks]),
+            _prefix([b.activation_bytes.at(rows) for b in blocks]))
+
+
+@lru_cache(maxsize=1024)
+def _rank_layout(schedule: str, num_stages: int, num_replicas: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(map(tuple, rank_layout(schedule, num_stages, num_replicas)))
 
 
 def _prefix(values: list[float]) -> list[float]:
