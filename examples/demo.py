@@ -4,7 +4,8 @@ Run with `make demo` (4 ranks), or `partita run -n 4 examples/demo.py`.
 1. The RaNNC tutorial's model (a stack of Linear(512, 512)).
 2. A small GPT (causal attention, LayerNorm, GELU, tied embedding / LM head) with Adam, planned as if each
    rank had only a little memory, so that the planner has to split it into a pipeline.
-Each part prints the plan, a progress bar with the loss, and the throughput.
+Each part shows the plan (partita logs it on rank 0 when it plans), a progress bar with the loss, and the
+throughput.
 """
 
 from __future__ import annotations
@@ -75,7 +76,6 @@ def mlp_part(world: int, rank: int) -> None:
     x, y = batches(0)
     model(x, y).backward()  # the first call captures the graph and plans
     opt.zero_grad()
-    say(model.plan.explain())
     seconds, loss = train(model, opt, batches, steps)
     say(f"  throughput: {(steps - 1) * local_batch * world / seconds:.0f} samples/s "
         f"(global batch {local_batch * world}, final loss {loss:.4f})")
@@ -104,7 +104,6 @@ def gpt_part(world: int, rank: int) -> None:
     x, y = batches(0)
     model(x, y).backward()
     opt.zero_grad()
-    say(model.plan.explain())
     seconds, loss = train(model, opt, batches, steps)
     samples = (steps - 1) * local_batch * world
     say(f"  throughput: {samples / seconds:.0f} samples/s, {samples * context / seconds:.0f} tokens/s "

@@ -16,9 +16,11 @@ counts (the optimizer step, gradient traffic) is counted twice.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
@@ -91,6 +93,18 @@ def _timed_steps(step, count: int) -> float:
     return (time.perf_counter() - start) / count
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No log lines while the probe trains: its plans are partita's own business, not the user's."""
+    logger = logging.getLogger("partita")
+    was = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = was
+
+
 def _probe_graphs(device: torch.device, at_once: int) -> tuple[dict, Profile | None]:
     """The graphs of the probes by depth, and the measured costs of their blocks (one signature after the
     first: they are the same layers) as a Profile per depth, on rank 0 (None elsewhere). Collective."""
@@ -117,14 +131,15 @@ def measure_overheads(cluster: Cluster | None, device: torch.device, at_once: in
     runs = [(d, _hand_plan(graphs[d], world, 1, 1, "GPipe")) for d in DATA_PARALLEL_LAYERS]
     runs += [(_LAYERS, _hand_plan(graphs[_LAYERS], world, stages, m, schedule))
              for stages, schedule, m in _shapes(world)]
-    steps = [_step_function(plan, layers) for layers, plan in runs]
-    for step in steps:  # the first call captures and sets up
-        step()
-    # the configurations take turns, so that a slower spell of a shared machine weighs on all of them alike
-    samples: list[list[float]] = [[] for _ in steps]
-    for _ in range(ROUNDS):
-        for timings, step in zip(samples, steps):
-            timings.append(_timed_steps(step, STEPS // ROUNDS))
+    with _quiet():
+        steps = [_step_function(plan, layers) for layers, plan in runs]
+        for step in steps:  # the first call captures and sets up
+            step()
+        # the configurations take turns, so that a slower spell of a shared machine weighs on all of them alike
+        samples: list[list[float]] = [[] for _ in steps]
+        for _ in range(ROUNDS):
+            for timings, step in zip(samples, steps):
+                timings.append(_timed_steps(step, STEPS // ROUNDS))
     if cluster is None:
         return None
     measured = [statistics.median(t) for t in samples]
