@@ -19,9 +19,9 @@ class BlockCost:
 class Profile:
     source: str  # "measured on cpu, torch 2.13.0" / "estimated for A100-40GB (roofline)"
     blocks: tuple[BlockCost, ...]  # one per ModelGraph block, same order
-    # bytes per second of an elementwise pass over memory the size of the model's parameters (adding one
-    # micro-batch's gradients, an optimizer step); 0: not measured, the device's memory bandwidth stands. On a
-    # CPU a small model's parameters stay in cache, several times faster than a large copy.
+    # bytes per second of an elementwise pass over memory the size of the model's parameters, starting out of
+    # cache as in a step (adding one micro-batch's gradients, an optimizer step); 0: not measured, the device's
+    # memory bandwidth stands. It depends on the size: a small model's gradients fit a CPU's last-level cache.
     param_stream_bps: float = 0.0
 
     def to_json(self) -> str:

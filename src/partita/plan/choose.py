@@ -54,8 +54,8 @@ def _fewer_pipeline_ranks(graph, profile, cluster, global_batch, optimizer_facto
     """The plan with the fewest ranks per pipeline (the most replicas) whose simulated step is within
     SIMPLER_WITHIN of the fastest, if it has fewer than the fastest and the caller fixed neither stages nor
     replicas. Steps that close are within the simulator's own error on measured runs
-    (bench/simulator_accuracy.py), and a shallower pipeline has less bubble, fewer messages and less to lose
-    from an imbalance between stages that the measurements missed."""
+    (bench/simulator_accuracy.py), and a shallower pipeline sends fewer messages and has less to lose from an
+    imbalance between stages that the measurements missed."""
     if constraints.stages is not None or constraints.replicas is not None:
         return None
     world = cluster.world_size

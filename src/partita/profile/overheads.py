@@ -105,7 +105,7 @@ def _quiet() -> Iterator[None]:
         logger.disabled = was
 
 
-def _probe_graphs(device: torch.device, at_once: int) -> tuple[dict, Profile | None]:
+def _probe_graphs(device: torch.device, at_once: int) -> tuple[dict, dict | None]:
     """The graphs of the probes by depth, and the measured costs of their blocks (one signature after the
     first: they are the same layers) as a Profile per depth, on rank 0 (None elsewhere). Collective."""
     from partita.capture.blocks import model_graph
@@ -113,9 +113,10 @@ def _probe_graphs(device: torch.device, at_once: int) -> tuple[dict, Profile | N
     from partita.profile.blocks import measure_blocks, stream_bandwidth
 
     depths = sorted({_LAYERS, *DATA_PARALLEL_LAYERS})
-    graphs = {d: model_graph(capture(_probe_model(d), (torch.zeros(_ROWS, _WIDTH),), {})) for d in depths}
-    cap = capture(_probe_model(max(depths)), (torch.zeros(_ROWS, _WIDTH),), {})
-    costs = measure_blocks(cap, graphs[max(depths)], _ROWS, device, show_progress=False, at_once=at_once)
+    caps = {d: capture(_probe_model(d), (torch.zeros(_ROWS, _WIDTH),), {}) for d in depths}
+    graphs = {d: model_graph(cap) for d, cap in caps.items()}
+    deepest = depths[-1]  # its blocks are every probe's blocks
+    costs = measure_blocks(caps[deepest], graphs[deepest], _ROWS, device, show_progress=False, at_once=at_once)
     if dist.get_rank() != 0:
         return graphs, None
     profiles = {d: Profile("probe", tuple(costs[b.signature] for b in g.blocks),
