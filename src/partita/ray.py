@@ -121,9 +121,9 @@ def _bootstrap(address: str) -> str:
         return address
     from ray._private.services import canonicalize_bootstrap_address, find_bootstrap_address
 
-    # the address `ray start` recorded comes first; ray.init("auto") would take any other running cluster
-    # instead whenever there is one, even when the recorded one has died (its "legacy" fallback)
-    recorded = find_bootstrap_address(None)
+    # after RAY_ADDRESS, the address `ray start` recorded: ray.init("auto") would take any other running cluster
+    # before it whenever there is one, even when the recorded one has died (its "legacy" fallback)
+    recorded = None if os.environ.get("RAY_ADDRESS") else find_bootstrap_address(None)
     if recorded:
         return recorded
     try:
