@@ -10,7 +10,8 @@ The planner (`partita.plan`, `partita.Plan`) is pure Python: importing it does n
 
 from importlib import import_module
 
-from partita.errors import BatchError, CaptureError, CheckpointError, LaunchError, PartitaError, PlanError
+from partita.errors import (BatchError, CaptureError, CheckpointError, LaunchError, PartitaError, PlanError,
+                            SettingsError)
 from partita.plan.plan import Plan, StagePlan
 
 # Names that need torch load on first use, so that planning-only code (and `partita plan`) stays light.
@@ -24,7 +25,7 @@ _LAZY = {
 }
 
 __all__ = sorted(["BatchError", "CaptureError", "CheckpointError", "LaunchError", "PartitaError", "Plan", "PlanError",
-                  "StagePlan", *_LAZY])
+                  "SettingsError", "StagePlan", *_LAZY])
 __version__ = "0.1.0"
 
 

@@ -26,3 +26,7 @@ class LaunchError(PartitaError):
 
 class CheckpointError(PartitaError):
     """A checkpoint could not be written, found, trusted or applied to this model."""
+
+
+class SettingsError(PartitaError):
+    """A PARTITA_* environment variable has a value partita cannot use."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from partita import settings
 from partita.cli import export, plan, ray, run, slurm
 from partita.errors import PartitaError
 
@@ -18,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
         command.add_parser(sub)
     args = parser.parse_args(argv)
     try:
+        # a bad PARTITA_* value fails here once, not in every rank of the job the command would start
+        for warning in settings.check():
+            print(f"partita {args.command}: warning: {warning}", file=sys.stderr)
         return int(args.func(args) or 0)
     except PartitaError as e:  # a problem the user can fix: the message, not a traceback
         print(f"partita {args.command}: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ import signal
 import sys
 import uuid
 
+from partita import settings
 from partita.errors import LaunchError
 from partita.launch.threads import cores_per_rank, usable_cores
 from partita.morph.stop import RESUME_EXIT_CODE
@@ -65,6 +66,8 @@ def run(args) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
+
+    from partita.launch import agent
 
     if not os.path.exists(args.script):
         print(f"partita run: no such script: {args.script}", file=sys.stderr)
@@ -119,7 +122,8 @@ def run(args) -> int:
         logs_specs=PrintedLogs(log_dir=args.log_dir, redirects=Std.ALL, tee=Std.NONE if args.quiet else Std.ALL),
     )
     try:
-        launch_agent(config, sys.executable, ["-u", args.script, *args.args])
+        with agent.installed():  # kills a rank stopped by SIGSTOP at once, not after 30 s
+            launch_agent(config, sys.executable, ["-u", args.script, *args.args])
     except (ChildFailedError, SignalException) as e:
         if os.path.exists(resume_file):
             with open(resume_file) as f:
@@ -130,7 +134,7 @@ def run(args) -> int:
         if isinstance(e, SignalException):
             print(f"partita run: stopped by {e.sigval.name}; the ranks were stopped too", file=sys.stderr)
             return 128 + e.sigval
-        rank, failure = _first_failure(e.failures)
+        rank, failure = _first_failure(e.failures, agent.Agent.killed)
         logs = PrintedLogs.last.stderrs.get(failure.local_rank, args.log_dir) if PrintedLogs.last else args.log_dir
         spent = f" (no restart left of --max-restarts {args.max_restarts})" if args.max_restarts else ""
         print(f"partita run: rank {rank} {_how(failure.exitcode)}{spent}; its log: {logs}", file=sys.stderr)
@@ -143,10 +147,13 @@ def _resume_file(log_dir: str) -> str:
     """Where `partita.elastic` in the ranks notes that it saved a checkpoint and stopped to be resumed: the
     launcher's own (a `partita slurm` batch script's), or a fresh one of this command. Each attempt starts
     without it."""
-    if "PARTITA_RESUME_FILE" not in os.environ:
-        os.makedirs(log_dir, exist_ok=True)
-        os.environ["PARTITA_RESUME_FILE"] = os.path.join(os.path.abspath(log_dir), f"resume-{uuid.uuid4().hex}")
-    return os.environ["PARTITA_RESUME_FILE"]
+    given = settings.resume_file()
+    if given is not None:
+        return given
+    os.makedirs(log_dir, exist_ok=True)
+    path = os.path.join(os.path.abspath(log_dir), f"resume-{uuid.uuid4().hex}")
+    os.environ["PARTITA_RESUME_FILE"] = path  # the ranks inherit it
+    return path
 
 
 def _remove(path: str) -> None:
@@ -156,13 +163,13 @@ def _remove(path: str) -> None:
         pass
 
 
-def _first_failure(failures: dict) -> tuple:
+def _first_failure(failures: dict, killed: set[int]) -> tuple:
     """The rank that failed first. torch stamps failures in whole seconds, and the ranks that a dead rank takes
-    down, or that the agent stops with SIGTERM, often share its second: among those, a rank that exited by itself
-    or died of another signal comes first."""
+    down, or that the agent stops (SIGTERM; SIGKILL for the `killed` ones, which were stopped), often share its
+    second: among those, a rank that exited by itself or died of another signal comes first."""
     def order(item):
-        code = item[1].exitcode
-        return item[1].timestamp, code == -signal.SIGTERM, code > 0
+        rank, code = item[0], item[1].exitcode
+        return item[1].timestamp, code == -signal.SIGTERM or rank in killed, code > 0
     return min(failures.items(), key=order)
 
 

@@ -17,13 +17,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from partita import settings
 from partita.errors import LaunchError
 from partita.launch import mpi, peers, ray_worker, rendezvous, slurm, threads, torchrun
 from partita.launch.placement import Join, Placement
 
 log = logging.getLogger("partita")
-
-DEFAULT_TIMEOUT_S = 300.0
 
 # First match wins. Ray Train sets torchrun's variables in its workers, and torchrun or mpirun may run inside
 # a Slurm allocation, whose variables their ranks inherit: the innermost launcher comes first.
@@ -48,7 +47,7 @@ _world: World | None = None
 
 def timeout() -> timedelta:
     """Process-group timeout: PARTITA_TIMEOUT_S seconds (default 300)."""
-    return timedelta(seconds=float(os.environ.get("PARTITA_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+    return timedelta(seconds=settings.timeout_s())
 
 
 def detect(environ: dict) -> Placement:
@@ -101,7 +100,7 @@ def _join(me: Placement, backend: str, device: torch.device) -> None:
 def log_to_stderr() -> None:
     """partita's INFO lines go to stderr as `partita: ...`, unless the application configured logging for the
     "partita" logger or PARTITA_LOG=off. Python drops INFO lines of a logger without a handler."""
-    if log.handlers or os.environ.get("PARTITA_LOG", "").lower() == "off":
+    if log.handlers or not settings.log_enabled():
         return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("partita: %(message)s"))
@@ -118,6 +117,13 @@ def _announce(me: Placement, backend: str) -> None:
     log.info("launched by %s%s: %s, backend %s%s", me.launcher, where, me.layout(), backend, meet)
 
 
+def _warn(ignored: list[str]) -> None:
+    """On stderr even with PARTITA_LOG=off: Python prints a warning of a logger without a handler by itself."""
+    log_to_stderr()
+    for warning in ignored:
+        log.warning("%s", warning)
+
+
 def init() -> World:
     """Join the process group of this job (idempotent) and return this process's place in it.
 
@@ -129,6 +135,7 @@ def init() -> World:
     global _world
     if _world is not None and dist.is_initialized():
         return _world
+    ignored = settings.check()  # a bad value stops every rank here, before any collective
     me = detect(os.environ)
     if dist.is_initialized() and (me.world_size, me.rank) != (dist.get_world_size(), dist.get_rank()):
         # the script created the group itself: its ranks are the truth
@@ -144,6 +151,8 @@ def init() -> World:
             me = mpi.agree_address(me, os.environ)  # only mpirun leaves the address to be agreed
         _join(me, backend, device)
     _world = World(me.rank, me.world_size, me.local_rank, me.local_world_size, me.launcher, device, me.num_nodes)
+    if me.rank == 0 and ignored:
+        _warn(ignored)
     if me.rank == 0 and me.world_size > 1:
         _announce(me, backend)
     return _world

@@ -121,13 +121,29 @@ def _from_collective(error: BaseException | None) -> bool:
 
 def _state(pid: int) -> str | None:
     """How a process that cannot answer is ('ended', 'is stopped'); None while it runs."""
+    fields = _stat(pid)
+    return {"Z": "ended", "X": "ended", "T": "is stopped", "t": "is stopped"}.get(fields[0]) if fields else None
+
+
+def stopped_child(pid: int) -> bool:
+    """Whether `pid` is a child of this process stopped by SIGSTOP (or SIGTSTP, SIGTTIN, SIGTTOU): such a process
+    acts on no signal but SIGKILL and SIGCONT. A process stopped by its debugger (state t) is not. The parent is
+    checked because the number of a child that ended and was reaped may already be another process's."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] == "T" and int(fields[1]) == os.getpid()
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, parent's id, ...); ['X'] (dead) once the
+    process is gone; None when they cannot be read."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        # the command name in parentheses may itself hold spaces and parentheses: the fields follow the last ")"
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except FileNotFoundError:
-        return "ended"
+        return ["X"]
     except (OSError, IndexError):
         return None
-    return {"Z": "ended", "X": "ended", "T": "is stopped", "t": "is stopped"}.get(state)
+    return fields or None
 
 
 def _machine() -> str:
