@@ -17,7 +17,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from partita import settings
 from partita.capture.blocks import model_graph
+from partita.capture.dtypes import InputDtype, check_call, input_dtypes
 from partita.capture.export import CallSignature, CapturedGraph, capture, flatten_call, misplaced
 from partita.capture.split import carry_stages, check_ownership, units
 from partita.errors import BatchError, PartitaError, PlanError
@@ -28,7 +30,9 @@ from partita.graph.profile import roofline_profile
 from partita.plan import choose_plan
 from partita.plan.plan import Plan
 from partita.profile import device_spec, measure
-from partita.runtime.engine import Engine, Place, agree
+from partita.runtime import agreement
+from partita.runtime.batch import global_loss, local_rows
+from partita.runtime.engine import Engine, Place
 from partita.runtime.grads import GradSync
 from partita.runtime.groups import gradient_groups, param_ranks, pipeline_groups, stage_groups
 from partita.runtime.optim import optimizer_state_factor, patch_optimizer
@@ -38,28 +42,14 @@ from partita.runtime.state import broadcast_from_owners, broadcast_tensors, gath
 log = logging.getLogger("partita")
 
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
-          "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """'512MiB', '40GB', '1e9' -> bytes (binary units either way)."""
-    t = text.strip().lower().replace(" ", "")
-    number = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(number):]
-    if unit not in _UNITS or not number:
-        raise PlanError(f"cannot read {text!r} as a size; write e.g. 512MiB or 40GB")
-    return int(float(number) * _UNITS[unit])
-
-
 def _device_memory(device: torch.device, local_world_size: int) -> int:
     """Memory one rank may plan for: the device's, or its share of host RAM, capped by PARTITA_MEMORY_LIMIT."""
     if device.type == "cuda":
         total = int(torch.cuda.mem_get_info(device)[1])
     else:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, local_world_size)
-    limit = os.environ.get("PARTITA_MEMORY_LIMIT")
-    return min(int(total), parse_bytes(limit)) if limit else int(total)
+    limit = settings.memory_limit()
+    return int(total) if limit is None else min(int(total), limit)
 
 
 @contextlib.contextmanager
@@ -105,6 +95,7 @@ class ParallelModule(nn.Module):
         self._anchor = torch.zeros((), requires_grad=True)
         self._costs: tuple = (None, None)
         self._parameter = dict(model.named_parameters(remove_duplicate=False))
+        self._input_dtypes: list[InputDtype] = []
 
     # ---- public --------------------------------------------------------------------------------
     @property
@@ -114,27 +105,56 @@ class ParallelModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         world = env.init()
-        target = None
-        if self._loss_fn is not None:
-            if len(args) + len(kwargs) < 2:
-                raise BatchError("this model was parallelized with loss_fn, so every call is model(*inputs, target) "
-                                 "and returns the loss; to get outputs, parallelize without loss_fn")
-            *args, target = args
-            if not isinstance(target, torch.Tensor):
-                raise BatchError(f"the target (last positional argument) must be a tensor, got {type(target)}")
-        tensors, signature = flatten_call(tuple(args), kwargs)
-        problem = misplaced(tensors + ([target] if target is not None else []), world.device)
+        args, target, problem = self._split_target(args, kwargs)
+        tensors, signature = [], None
+        try:
+            tensors, signature = flatten_call(tuple(args), kwargs)
+        except BatchError as e:
+            problem = problem or e
+        rows = self._agree_call(tensors, target, signature, problem, world.device)
         if self._plan is None:
-            agree("ready", "starting", problem)  # one rank's bad input must not leave the others waiting
-            self._setup(tuple(args), kwargs, tensors, signature)
+            self._setup(tuple(args), kwargs, tensors, signature, rows)
+        else:  # the same on every rank: they agreed on the inputs' dtypes
+            check_call(self._input_dtypes, tensors)
         if self._ddp is not None:
-            if problem is not None:
-                raise problem
-            return self._data_parallel_call(tuple(args), kwargs, target)
+            return self._data_parallel_call(tuple(args), kwargs, target, rows)
         engine = self._engine(tuple(args), kwargs, signature)
         if self._loss_fn is not None and self.module.training and torch.is_grad_enabled():
-            return engine.train_step(tensors, target, self._loss_fn, self._reduction, problem)
-        return engine.forward(tensors, target, self._loss_fn, self._reduction, torch.is_grad_enabled(), problem)
+            return engine.train_step(tensors, target, self._loss_fn, self._reduction, rows)
+        return engine.forward(tensors, target, self._loss_fn, self._reduction, torch.is_grad_enabled(), rows)
+
+    def _split_target(self, args: tuple, kwargs: dict) -> tuple[tuple, torch.Tensor | None, BatchError | None]:
+        """(inputs, target, problem): with loss_fn, the last positional argument is the target."""
+        if self._loss_fn is None:
+            return args, None, None
+        if not args or len(args) + len(kwargs) < 2:
+            return args, None, BatchError(
+                "this model was parallelized with loss_fn, so every call is model(*inputs, target) and returns "
+                "the loss; to get outputs, parallelize without loss_fn")
+        *inputs, target = args
+        if not isinstance(target, torch.Tensor):
+            return tuple(inputs), None, BatchError(
+                f"the target (last positional argument) must be a tensor, got {type(target).__name__}")
+        return tuple(inputs), target, None
+
+    def _agree_call(self, tensors: list[torch.Tensor], target: torch.Tensor | None, signature: CallSignature | None,
+                    problem: BatchError | None, device: torch.device) -> tuple[int, ...]:
+        """Every rank's local rows, once all ranks agree on this call (one small collective): a problem found on
+        one rank alone (an input on the wrong device, say) is raised on every rank, so that no rank is left
+        waiting in a collective for the one that stopped; so is a rank that stopped calling."""
+        every = tensors + ([target] if target is not None else [])
+        problem = problem or misplaced(every, device)
+        rows = 0
+        try:
+            rows = local_rows(every)
+        except BatchError as e:
+            problem = problem or e
+        shapes = [(tuple(t.shape[1:]), str(t.dtype), t.requires_grad) for t in tensors]
+        if target is not None:
+            shapes.append(("target", tuple(target.shape[1:]), str(target.dtype)))
+        structure = signature.key[:2] if signature is not None else None
+        mode = f"training={self.module.training} grad={torch.is_grad_enabled()}"
+        return agreement.agree_call(f"{structure} {shapes} {mode}", rows, problem)
 
     def adopt_plan(self, plan: Plan) -> bool:
         """Use `plan` (e.g. the one a checkpoint was saved under) at the first call instead of planning, unless
@@ -204,13 +224,14 @@ class ParallelModule(nn.Module):
         return total.float()
 
     # ---- setup ---------------------------------------------------------------------------------
-    def _setup(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor], signature: CallSignature) -> None:
+    def _setup(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor], signature: CallSignature,
+               rows: tuple[int, ...]) -> None:
         world = env.world()
-        with _mode(self.module, True):
+        with agreement.together("capturing the model"), _mode(self.module, True):
             planned = capture(self.module, args, kwargs)
-        self._graph = model_graph(planned)
-        local_batch = tensors[0].shape[0] if tensors else 0
-        plan = self._agreed_plan(planned, local_batch)
+            self._input_dtypes = input_dtypes(planned)
+            self._graph = model_graph(planned)
+        plan = self._agreed_plan(planned, rows)
         stage_of_unit = self._graph.stage_of_unit(plan.stage_of_block())
         for group, stage in zip(units(planned), stage_of_unit):
             for node in group:
@@ -245,26 +266,28 @@ class ParallelModule(nn.Module):
             # state loaded before this first call (partita.load, load_state_dict) covers the whole model
             self._keep_local_optimizer_state(self._optimizer)
 
-    def _agreed_plan(self, cap: CapturedGraph, local_batch: int) -> Plan:
+    def _agreed_plan(self, cap: CapturedGraph, rows: tuple[int, ...]) -> Plan:
         """Every rank measures its share (unless a plan was given or the measurements are cached), rank 0
         plans; every rank gets the same plan or the same error."""
         world = env.world()
         result: list = [None]
         profile = cluster = None
         if self._given_plan is None:
-            profile, cluster = self._measure(cap, local_batch)
+            profile, cluster = self._measure(cap, max(rows))
             self._costs = (profile, cluster)  # on rank 0, what the plan was made from (for its timeline)
         if world.rank == 0:
             try:
-                result[0] = self._make_plan(local_batch, profile, cluster).to_json()
-            except PartitaError as e:  # every rank raises it, none waits for a plan that never comes
-                result[0] = e
+                # plans are for the steady state: full batches, of the largest rank's rows on every rank
+                result[0] = self._make_plan(max(rows) * len(rows), profile, cluster).to_json()
+            except Exception as e:  # noqa: BLE001 - every rank raises it, none waits for a plan that never comes
+                result[0] = e if isinstance(e, PartitaError) else PlanError(f"rank 0 failed to plan: "
+                                                                             f"{type(e).__name__}: {e}")
         if world.world_size > 1:
             dist.broadcast_object_list(result, src=0)
         if isinstance(result[0], Exception):
             raise result[0]
         plan = Plan.from_json(result[0])
-        agree(f"model graph {self._graph.fingerprint}", "the model they captured (different models or inputs)")
+        agreement.agree(f"model graph {self._graph.fingerprint}", "the model they captured (different models or inputs)")
         return plan
 
     def _measure(self, cap: CapturedGraph, local_batch: int):
@@ -272,7 +295,7 @@ class ParallelModule(nn.Module):
         from the device preset when PARTITA_PROFILE=estimate (faster, less exact)."""
         world = env.world()
         memory = _device_memory(world.device, world.local_world_size)
-        if os.environ.get("PARTITA_PROFILE", "measure") == "estimate":
+        if settings.profile_mode() == "estimate":
             if world.rank != 0:
                 return None, None
             spec = device_spec(world.device)
@@ -281,7 +304,7 @@ class ParallelModule(nn.Module):
             return roofline_profile(self._graph, spec), cluster
         return measure(cap, self._graph, local_batch, world.device, world.local_world_size, memory)
 
-    def _make_plan(self, local_batch: int, profile, cluster) -> Plan:
+    def _make_plan(self, global_batch: int, profile, cluster) -> Plan:
         world = env.world()
         if self._given_plan is not None:
             plan = self._given_plan if isinstance(self._given_plan, Plan) else Plan.load(self._given_plan)
@@ -292,7 +315,7 @@ class ParallelModule(nn.Module):
                     "model, or drop plan=... to let partita plan."
                 )
             return plan.validate(world.world_size)
-        return choose_plan(self._graph, profile, cluster, global_batch=local_batch * world.world_size,
+        return choose_plan(self._graph, profile, cluster, global_batch=global_batch,
                            optimizer_factor=optimizer_state_factor(self._optimizer), **self._overrides)
 
     def _buffer_owners(self, cap: CapturedGraph, plan: Plan) -> dict[str, int]:
@@ -362,22 +385,12 @@ class ParallelModule(nn.Module):
         return self._engines[key]
 
     # ---- data parallel -------------------------------------------------------------------------
-    def _data_parallel_call(self, args: tuple, kwargs: dict, target):
+    def _data_parallel_call(self, args: tuple, kwargs: dict, target, rows: tuple[int, ...]):
         out = self._ddp(*args, **kwargs)
         if self._loss_fn is None:
             return torch.utils._pytree.tree_map(
-                lambda t: self._global_mean(t) if isinstance(t, torch.Tensor) and t.dim() == 0 else t, out)
-        return self._global_mean(self._loss_fn(out, target), self._reduction)
-
-    def _global_mean(self, value: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """The value averaged (or summed) over ranks, with the gradient of this rank's own value."""
-        if env.get_world_size() == 1:
-            return value
-        total = value.detach().clone()
-        dist.all_reduce(total)
-        if reduction == "mean":
-            total = total / env.get_world_size()
-        return value + (total - value).detach()
+                lambda t: global_loss(t, "mean", rows) if isinstance(t, torch.Tensor) and t.dim() == 0 else t, out)
+        return global_loss(self._loss_fn(out, target), self._reduction, rows)
 
     # ---- gathering -----------------------------------------------------------------------------
     def _owner_of_param(self, p: nn.Parameter) -> int:
@@ -449,5 +462,6 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     env.init()
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize needs an nn.Module, got {type(model).__name__}")
+    agreement.join()
     overrides = {"stages": stages, "replicas": replicas, "micro_batches": micro_batches, "schedule": schedule}
     return ParallelModule(model, optimizer, loss_fn, overrides, plan)

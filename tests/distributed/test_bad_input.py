@@ -1,5 +1,7 @@
 """Bad input gets the same clear error on every rank, naming the cause and the fix; nothing hangs."""
 
+import re
+
 import pytest
 
 
@@ -35,9 +37,38 @@ def test_world_size_not_a_multiple_of_the_plan(pools):
     assert "3 stages" in msg and "[1, 2, 4]" in msg
 
 
-def test_ranks_disagree_on_batch_shape(pools):
+def test_ranks_disagree_on_batch_size_in_a_pipeline(pools):
     msg = errors(pools.run(2, "support.cases:bad_input", "ranks_disagree"), "BatchError")
-    assert "disagree" in msg and "(4, 32)" in msg and "(8, 32)" in msg
+    assert "batches of different sizes (rank 0: 8, rank 1: 4 rows)" in msg and "pipelines the model" in msg
+    assert "DistributedSampler" in msg and "(stages=1) weighs batches of different sizes" in msg
+
+
+def test_ranks_disagree_on_features(pools):
+    msg = errors(pools.run(2, "support.cases:bad_input", "features_disagree"), "BatchError")
+    assert "ranks disagree on their inputs" in msg and "(32,)" in msg and "(16,)" in msg
+
+
+@pytest.mark.parametrize("scenario", ["float64", "float64_later"])
+def test_input_of_another_dtype_than_the_model(pools, scenario):
+    msg = errors(pools.run(2, "support.cases:bad_input", scenario), "BatchError")
+    assert "input tensor #0 (shape (8, 32)) is torch.float64, but the model computes it in torch.float32" in msg
+    assert "aten.linear in module" in msg and "x.float()" in msg
+
+
+def test_capture_failing_on_one_rank_stops_every_rank_with_its_error(pools):
+    msg = errors(pools.run(2, "support.cases:bad_input", "capture_fails_on_one_rank"), "CaptureError")
+    assert msg.startswith("rank 1: ") and "ValueError: bad data on rank 1" in msg
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_rank_that_stops_early_ends_the_next_call_of_the_others(pools, stages):
+    first, second = pools.run(2, "support.cases:bad_input", "one_rank_stops_early", str(stages))
+    assert second == {"error": None, "all_left": False}  # the rank that left knows, and skips the barrier
+    assert first["error"] == "PartitaError"
+    # counts are the pool process's, over every case it ran: rank 0 is one call ahead of rank 1
+    found = re.search(r"partita.shutdown\(\) was called on rank 1 after (\d+) calls of the model, while rank 0 "
+                      r"made call (\d+)", first["message"])
+    assert found and int(found[2]) == int(found[1]) + 1, first["message"]
 
 
 def test_saved_plan_loads_and_checks(pools, tmp_path):

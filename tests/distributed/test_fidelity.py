@@ -171,3 +171,19 @@ def test_more_schedules(pools, schedule, stages):
     """Schedules that put two stages on each rank (world 2)."""
     r = fidelity(pools, 2, "mlp", stages=stages, schedule=schedule)
     assert r["plan"][3] == schedule
+
+
+@pytest.mark.parametrize("world,stages,micro_batches", [(2, 1, 1), (4, 1, 1), (2, 2, 4), (4, 2, 2)])
+def test_summed_loss(pools, world, stages, micro_batches):
+    """A loss that sums over rows: the global batch's sum, and its gradients (DDP averages over ranks)."""
+    r = fidelity(pools, world, "mlp", reduction="sum", stages=stages, micro_batches=micro_batches)
+    assert r["plan"][:3] == (stages, world // stages, micro_batches)
+
+
+@pytest.mark.parametrize("style", ["loss_fn", "outputs"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_batches_of_different_sizes_under_data_parallel(pools, world, style):
+    """A last short batch that is not equally short everywhere: each rank's mean weighs by its rows (with
+    loss_fn, the global batch's loss and gradients; without, DDP's average of each rank's own loss)."""
+    r = fidelity(pools, world, "mlp", *returned(style), style=style, extra_rows=3, stages=1)
+    assert r["plan"][:3] == (1, world, 1)

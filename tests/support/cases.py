@@ -8,6 +8,7 @@ API (get_param_grad, get_param, optimizer.state_dict), so the comparison also co
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
 import os
@@ -17,6 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import partita
+from partita.runtime import agreement
 from support.zoo import CASES, Case
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -102,7 +104,8 @@ class _NoOptimizer:
 def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", steps: int = 3,
              accumulate: int = 1, local_batch: int = 8, input_grad: bool = False, call_kwargs: dict | None = None,
              lr_schedule: str | None = None, statistics_replicas: int = 1, roundtrip: dict | None = None,
-             eval_batch: int | None = None, no_grad_batch: int | None = None, **plan_args) -> dict:
+             eval_batch: int | None = None, no_grad_batch: int | None = None, reduction: str = "mean",
+             extra_rows: int = 0, **plan_args) -> dict:
     """Train `steps` steps with partita and in one process; report the worst differences, the plans used and
     the global losses partita returned (as float.hex, to compare ranks bit for bit).
 
@@ -113,10 +116,16 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
     roundtrip: parallelize arguments of a fresh run that loads both state dicts and trains one more step.
     eval_batch, no_grad_batch: rows per rank of a call under torch.no_grad() after training, in eval mode or
         in train mode.
+    reduction: the loss function's ("sum": the case's loss function summing instead of averaging).
+    extra_rows: rank r passes local_batch + r * extra_rows rows (batches of different sizes).
     """
     if lr_schedule and roundtrip:
         raise ValueError("lr_schedule and roundtrip do not combine: the fresh run has no scheduler")
     case = CASES[name]
+    if reduction != "mean":
+        summed = copy.copy(case.loss_fn)
+        summed.reduction = reduction
+        case = dataclasses.replace(case, loss_fn=summed)
     torch.manual_seed(0)
     model = case.make()
     ref = copy.deepcopy(model)
@@ -124,7 +133,7 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
     loss_fn = case.loss_fn if style == "loss_fn" else None
     pm = partita.parallelize(model, _real(opt), loss_fn=loss_fn, **plan_args)
     side = _SideBySide(case, style, ref, ref_opt, local_batch, accumulate, input_grad, call_kwargs or {},
-                       statistics_replicas, _scheduler(lr_schedule, ref_opt))
+                       statistics_replicas, _scheduler(lr_schedule, ref_opt), extra_rows)
     sched = _scheduler(lr_schedule, opt)
     for step in range(steps):
         side.step(pm, opt, sched, f"step {step}")
@@ -185,15 +194,28 @@ def _continue_in_fresh_run(side: "_SideBySide", pm, opt, optimizer: str, loss_fn
     return fresh_pm.plan
 
 
+class _FailsOnRank(torch.nn.Module):
+    """A model whose forward raises on one rank only (a rank-dependent bug in user code)."""
+
+    def __init__(self, rank: int, inner: torch.nn.Module):
+        super().__init__()
+        self.rank, self.inner = rank, inner
+
+    def forward(self, x):
+        if partita.get_rank() == self.rank:
+            raise ValueError(f"bad data on rank {self.rank}")
+        return self.inner(x)
+
+
 class _SideBySide:
     """partita's model and the one-process reference, called on the same global batches. Differences go to
     `diffs`; the global losses partita returns (every rank must get the same bits) to `losses`."""
 
     def __init__(self, case: Case, style: str, ref: torch.nn.Module, ref_opt, local_batch: int, accumulate: int,
-                 input_grad: bool, call_kwargs: dict, statistics_replicas: int, ref_sched):
+                 input_grad: bool, call_kwargs: dict, statistics_replicas: int, ref_sched, extra_rows: int = 0):
         self.case, self.style, self.ref, self.ref_opt, self.ref_sched = case, style, ref, ref_opt, ref_sched
         self.local_batch, self.accumulate, self.input_grad = local_batch, accumulate, input_grad
-        self.call_kwargs, self.statistics_replicas = call_kwargs, statistics_replicas
+        self.call_kwargs, self.statistics_replicas, self.extra_rows = call_kwargs, statistics_replicas, extra_rows
         self.rank, self.world = partita.get_rank(), partita.get_world_size()
         self.names = list(dict(ref.named_parameters()))
         self.gen = torch.Generator().manual_seed(1)
@@ -202,7 +224,7 @@ class _SideBySide:
 
     def _batch(self, rows_per_rank: int) -> tuple[tuple, dict, torch.Tensor, slice]:
         """A global batch and this rank's rows of it."""
-        args, kwargs, target = self.case.batch(self.world * rows_per_rank, self.gen)
+        args, kwargs, target = self.case.batch(self._rank_rows(rows_per_rank)[-1].stop, self.gen)
         return args, {**kwargs, **self.call_kwargs}, target, self._rank_rows(rows_per_rank)[self.rank]
 
     def _global_loss(self, kind: str, label: str, loss: torch.Tensor, want: torch.Tensor) -> None:
@@ -255,7 +277,10 @@ class _SideBySide:
                 rx.grad = None
 
     def _rank_rows(self, rows_per_rank: int) -> list[slice]:
-        return [slice(r * rows_per_rank, (r + 1) * rows_per_rank) for r in range(self.world)]
+        """Each rank's rows of the global batch: rows_per_rank, and extra_rows more for each rank before it."""
+        sizes = [rows_per_rank + r * self.extra_rows for r in range(self.world)]
+        starts = [sum(sizes[:r]) for r in range(self.world)]
+        return [slice(start, start + size) for start, size in zip(starts, sizes)]
 
     def _reference(self, args: tuple, kwargs: dict):
         """The one-process forward on the global batch; with statistics_replicas, as DDP computes it: each
@@ -373,6 +398,24 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
             pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2)
             pm(x, y).backward()
             pm(x[:4] if rank == 1 else x, y[:4] if rank == 1 else y)
+        elif scenario == "features_disagree":
+            pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=1)
+            pm(x, y).backward()
+            pm(x[:, :16] if rank == 1 else x, y)
+        elif scenario in ("float64", "float64_later"):
+            pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=world if "later" in scenario else 1)
+            if "later" in scenario:
+                pm(x, y).backward()
+            pm(x.double(), y)
+        elif scenario == "capture_fails_on_one_rank":
+            pm = partita.parallelize(_FailsOnRank(1, model), loss_fn=torch.nn.MSELoss())
+            pm(x, y)
+        elif scenario == "one_rank_stops_early":
+            pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=int(plan_path))
+            for _ in range(3 if rank == 0 else 2):
+                pm(x, y).backward()
+            if rank != 0:
+                return {"error": None, "all_left": agreement.leave()}
         else:
             raise KeyError(scenario)
     except partita.PartitaError as e:

@@ -109,6 +109,15 @@ def test_indivisible_batch_names_a_valid_choice():
                     micro_batches=4)
 
 
+def test_micro_batches_alone_that_split_no_layout_say_the_batch_does_not_split():
+    graph, profile = model([1e-4] * 4)
+    with pytest.raises(BatchError) as e:
+        choose_plan(graph, profile, cluster(2, 10**4), global_batch=6, optimizer_factor=0, micro_batches=4)
+    msg = str(e.value)
+    assert "global batch of 6 rows (2 ranks x 3) does not split into 4 micro-batches whatever the layout" in msg
+    assert "3 rows (2 replicas) or 6 rows (1 replica)" in msg and "micro_batches from [1, 2, 3, 6]" in msg
+
+
 def test_constraints_that_cannot_hold():
     graph, profile = model([1e-4] * 4)
     with pytest.raises(PlanError, match=r"Choose stages from \[1, 2, 4\]"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -178,6 +179,16 @@ def barrier() -> None:
         dist.barrier()
 
 
+_before_leaving: list[Callable[[], bool]] = []
+
+
+def before_leaving(hook: Callable[[], bool]) -> None:
+    """Run `hook` in `shutdown`, before its barrier. A hook returns False when ranks are not all leaving
+    together (it told the others, which raise): then no rank would come to the barrier."""
+    if hook not in _before_leaving:
+        _before_leaving.append(hook)
+
+
 def shutdown() -> None:
     """Leave the process group cleanly.
 
@@ -186,7 +197,8 @@ def shutdown() -> None:
     """
     global _world
     if dist.is_initialized():
-        dist.barrier()
+        if all([hook() for hook in _before_leaving]):
+            dist.barrier()
         gc.collect()
         dist.destroy_process_group()
     _world = None

@@ -15,6 +15,8 @@ import os
 import signal
 import threading
 
+from partita import settings
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 RESUME_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped on request after saving; run again to resume
 
@@ -23,7 +25,7 @@ class StopRequest:
     """Records SIGTERM / SIGUSR1 while installed; `reason()` says whether and why to stop."""
 
     def __init__(self, stop_file: str | None = None):
-        self.stop_file = stop_file if stop_file is not None else os.environ.get("PARTITA_STOP_FILE")
+        self.stop_file = stop_file if stop_file is not None else settings.stop_file()
         self.received: str | None = None
         self._previous: dict[int, object] = {}
 

@@ -6,7 +6,7 @@ import time
 from dataclasses import replace
 
 from partita.cluster import Cluster
-from partita.errors import PlanError
+from partita.errors import BatchError, PlanError
 from partita.graph import ModelGraph, Profile
 from partita.plan.cost import CostModel, Layout
 from partita.plan.explain import size
@@ -143,10 +143,28 @@ def _check_constraints(graph: ModelGraph, cluster: Cluster, global_batch: int, c
         depth = (c.stages // per_rank) if c.stages else (world // c.replicas if c.replicas else None)
         if depth is not None:
             check_batch(global_batch // (world // depth), c.micro_batches, world // depth, world)
+        else:
+            _check_microbatch_split(graph, world, per_rank, global_batch, c.micro_batches)
     if not layouts(graph, cluster, global_batch, c):
         raise PlanError(f"no layout meets stages={c.stages}, replicas={c.replicas}, micro_batches={c.micro_batches}, "
                         f"schedule={c.schedule} with a global batch of {global_batch} on {world} ranks (for example "
                         f"1F1B needs at least as many micro-batches as stages); relax one of them")
+
+
+def _check_microbatch_split(graph: ModelGraph, world: int, per_rank: int, global_batch: int,
+                            micro_batches: int) -> None:
+    """The batch error when no number of replicas leaves rows that split into `micro_batches`."""
+    rows_of = {world // d: global_batch // (world // d) for d in _divisors(world)
+               if d * per_rank <= graph.num_blocks and global_batch % (world // d) == 0}
+    if not rows_of or any(rows % micro_batches == 0 for rows in rows_of.values()):
+        return
+    each = " or ".join(f"{rows} rows ({replicas} replica{'s' if replicas > 1 else ''})"
+                       for replicas, rows in sorted(rows_of.items(), reverse=True))
+    valid = sorted(set().union(*(_divisors(rows) for rows in rows_of.values())))
+    raise BatchError(
+        f"the global batch of {global_batch} rows ({world} ranks x {global_batch // world}) does not split into "
+        f"{micro_batches} micro-batches whatever the layout: each replica gets {each}. Use micro_batches from "
+        f"{valid}, or a local batch that is a multiple of {micro_batches}.")
 
 
 def _data_parallel(graph, profile, cluster, global_batch, optimizer_factor) -> tuple[float | None, int]:

@@ -12,9 +12,11 @@ import json
 import os
 from pathlib import Path
 
+from partita import settings
+
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PARTITA_CACHE_DIR", Path.home() / ".cache" / "partita"))
+    return settings.cache_dir()
 
 
 def key(*parts) -> str:

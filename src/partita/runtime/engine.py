@@ -18,7 +18,6 @@ ranks, input gradients stay local.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -30,7 +29,7 @@ from torch import fx
 from partita.capture.export import CapturedGraph
 from partita.capture.shapes import shape_at
 from partita.capture.split import split
-from partita.errors import BatchError, CaptureError, PartitaError, PlanError
+from partita.errors import BatchError, PlanError
 from partita.plan.plan import Plan, check_batch
 from partita.runtime.grads import GradSync
 from partita.runtime.pipeline import Pipeline
@@ -60,50 +59,6 @@ class Place:
     @property
     def last_rank(self) -> int:
         return self.plan.stages[-1].ranks[self.replica_index]
-
-
-def agree(description: str, what: str, problem: PartitaError | None = None) -> None:
-    """Raise the same error on every rank unless every rank describes its call the same way.
-
-    A problem found on one rank alone (an input on the wrong device, say) is raised on every rank, so that
-    no rank is left waiting in a collective for the one that stopped.
-    """
-    if problem is not None:
-        description = f"{_PROBLEM}{type(problem).__name__}: {problem}"
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        if problem is not None:
-            raise problem
-        return
-    digest = int.from_bytes(hashlib.sha256(description.encode()).digest()[:7], "little")
-    mine = torch.tensor([digest], dtype=torch.int64)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    if len({int(t) for t in every}) == 1 and problem is None:
-        return
-    texts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(texts, description)
-    for rank, text in enumerate(texts):
-        if text.startswith(_PROBLEM):
-            kind, _, message = text[len(_PROBLEM):].partition(": ")
-            cls = {c.__name__: c for c in (BatchError, PlanError, CaptureError)}.get(kind, PartitaError)
-            raise cls(f"rank {rank}: {message}")
-    groups: dict[str, list[int]] = {}
-    for r, t in enumerate(texts):
-        groups.setdefault(t, []).append(r)
-    detail = "; ".join(f"ranks {rs}: {t}" for t, rs in groups.items())
-    raise BatchError(f"ranks disagree on {what}: {detail}. Every rank must pass inputs of the same structure, "
-                     "shapes and dtypes (a DistributedSampler with drop_last=True does this).")
-
-
-_PROBLEM = "\x00problem "
-
-
-def _local_rows(tensors: list[torch.Tensor]) -> int:
-    rows = {t.shape[0] for t in tensors}
-    if len(rows) > 1:
-        raise BatchError(f"the tensor inputs have different sizes in dim 0 ({sorted(rows)}); partita splits "
-                         "every tensor input along dim 0 as the batch, so they must all have the same size")
-    return rows.pop() if rows else 0
 
 
 class Engine:
@@ -152,19 +107,20 @@ class Engine:
         self._pipelines.move_to_end(key)
         return self._pipelines[key]
 
-    def _sizes(self, tensors: list[torch.Tensor], target: torch.Tensor | None) -> tuple[int, int]:
+    def _sizes(self, rows: tuple[int, ...]) -> tuple[int, int]:
         """(local rows, rows per micro-batch), after checking that the batch splits evenly."""
-        local = _local_rows(tensors + ([target] if target is not None else []))
         p, plan = self.place, self.plan
-        rows = local * p.replica.size
-        check_batch(rows, plan.num_microbatches, plan.num_replicas, p.world_size)
-        return local, rows // plan.num_microbatches
-
-    def _agree(self, tensors, target, problem) -> None:
-        shapes = [(tuple(t.shape), str(t.dtype), t.requires_grad) for t in tensors]
-        if target is not None:
-            shapes.append(("target", tuple(target.shape), str(target.dtype)))
-        agree(f"{self.cap.signature.key[:2]} {shapes}", "their inputs", problem)
+        if len(set(rows)) > 1:
+            passed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(rows))
+            raise BatchError(
+                f"ranks pass batches of different sizes ({passed} rows). This plan pipelines the model "
+                f"({plan.num_stages} stages x {plan.num_replicas} replicas), which splits every rank's rows the same "
+                "way, so every rank must pass the same number of rows: give each rank the same number of samples "
+                "(a DistributedSampler does; a last short batch is then equally short on every rank). A "
+                "data-parallel plan (stages=1) weighs batches of different sizes by their rows instead.")
+        local = rows[p.rank]
+        check_batch(local * p.replica.size, plan.num_microbatches, plan.num_replicas, p.world_size)
+        return local, local * p.replica.size // plan.num_microbatches
 
     def _gather_inputs(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
         p = self.place
@@ -196,9 +152,8 @@ class Engine:
 
     # ---- loss computed by partita: torch's schedule, fused forward + backward ---------------------
     def train_step(self, tensors: list[torch.Tensor], target: torch.Tensor, loss_fn, reduction: str,
-                   problem: PartitaError | None = None):
-        self._agree(tensors, target, problem)
-        _, mb_rows = self._sizes(tensors, target)
+                   rows: tuple[int, ...]):
+        _, mb_rows = self._sizes(rows)
         p, plan = self.place, self.plan
         self._sync_buffers()
 
@@ -223,9 +178,8 @@ class Engine:
 
     # ---- everything else: forward now, backward (if any) when the user's loss gets here ----------
     def forward(self, tensors: list[torch.Tensor], target: torch.Tensor | None, loss_fn, reduction: str,
-                grad: bool, problem: PartitaError | None = None):
-        self._agree(tensors, target, problem)
-        local, mb_rows = self._sizes(tensors, target)
+                grad: bool, rows: tuple[int, ...]):
+        local, mb_rows = self._sizes(rows)
         p, plan = self.place, self.plan
         self._sync_buffers()
         has_backward = grad and self.cap.training and loss_fn is None

@@ -1,0 +1,165 @@
+"""Ranks say what they are about to do before they do it together.
+
+A collective waits for every rank. A rank that raised, passes inputs of another structure, or stopped
+calling the model would leave the others waiting until the process group times out (300 s by default),
+ending in gloo's bare "Timed out waiting". So every call of a parallelized model starts with one all-gather
+of four numbers per rank: what it is doing (calling, leaving, failing), how many calls it made before, its
+local rows and a digest of its call's structure. `partita.shutdown()` takes part too, once this process
+parallelized a model: a rank that stops early is found at the others' next call. Anything but agreement
+leads to one more exchange, of texts, and every rank raises the same error naming the rank and the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from partita.errors import BatchError, CaptureError, CheckpointError, PartitaError, PlanError
+from partita.launch import env
+
+log = logging.getLogger("partita")
+
+_ERRORS = {c.__name__: c for c in (BatchError, CaptureError, CheckpointError, PlanError, PartitaError)}
+
+
+class State(enum.IntEnum):
+    CALLING = 0
+    LEAVING = 1
+    FAILING = 2
+
+
+@dataclass(frozen=True)
+class _Said:
+    """What one rank said."""
+
+    state: State
+    calls: int
+    rows: int
+    text: str
+
+
+_calls = 0  # calls of parallelized models this process made: the step count a rank that leaves reports
+
+
+def join() -> None:
+    """This process parallelized a model: from now on `partita.shutdown()` tells the others when it stops."""
+    env.before_leaving(leave)
+
+
+def _single() -> bool:
+    return not dist.is_initialized() or dist.get_world_size() == 1
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def _exchange(state: State, rows: int, text: str) -> list[_Said] | None:
+    """Every rank's statement; None when every rank is calling with the same text (the common case, one
+    all-gather of 32 bytes per rank)."""
+    mine = torch.tensor([int(state), _calls, rows, _digest(text)], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    numbers = [[int(x) for x in t] for t in every]
+    if all(n[0] == state != State.FAILING and n[3] == numbers[0][3] for n in numbers):
+        return [_Said(state, n[1], n[2], "") for n in numbers]
+    texts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, text)
+    return [_Said(State(n[0]), n[1], n[2], t) for n, t in zip(numbers, texts)]
+
+
+def _failure(said: list[_Said]) -> PartitaError | None:
+    """The first failing rank's error, rebuilt from its text (named after the rank unless all failed alike)."""
+    failing = [(rank, s.text) for rank, s in enumerate(said) if s.state == State.FAILING]
+    if not failing:
+        return None
+    rank, text = failing[0]
+    kind, _, message = text.partition(": ")
+    alike = len(failing) == len(said) and len({t for _, t in failing}) == 1
+    return _ERRORS.get(kind, PartitaError)(message if alike else f"rank {rank}: {message}")
+
+
+def _left_early(said: list[_Said], rank: int) -> str | None:
+    """Why the job cannot go on when some ranks left while others still call the model."""
+    leaving = [r for r, s in enumerate(said) if s.state == State.LEAVING]
+    calling = [r for r, s in enumerate(said) if s.state != State.LEAVING]
+    if not leaving or not calling:
+        return None
+    gone = ", ".join(f"rank {r} after {said[r].calls} calls" for r in leaving)
+    still = ", ".join(f"rank {r} made call {said[r].calls + 1}" for r in calling)
+    return (f"ranks stopped at different steps: partita.shutdown() was called on {gone} of the model, while "
+            f"{still} (seen on rank {rank}). Every rank must call the model the same number of times: give each "
+            "rank the same number of batches (a DistributedSampler does), and stop every rank at the same step")
+
+
+def _problem_text(problem: BaseException) -> str:
+    kind = type(problem).__name__ if type(problem).__name__ in _ERRORS else "PartitaError"
+    message = str(problem) if isinstance(problem, PartitaError) else f"{type(problem).__name__}: {problem}"
+    return f"{kind}: {message}"
+
+
+def agree(description: str, what: str, problem: BaseException | None = None, rows: int = 0) -> tuple[int, ...]:
+    """Every rank's local rows, once every rank described what it does the same way; otherwise the same error
+    on every rank: a rank's `problem` (raised from it on that rank), a rank that left, or what differs."""
+    if _single():
+        if problem is not None:
+            raise _as_partita(problem) from problem
+        return (rows,)
+    state = State.FAILING if problem is not None else State.CALLING
+    said = _exchange(state, rows, _problem_text(problem) if problem is not None else description)
+    error = _failure(said)
+    if error is None and (why := _left_early(said, dist.get_rank())):
+        error = PartitaError(why)
+    if error is None and len({s.text for s in said}) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, s in enumerate(said):
+            groups.setdefault(s.text, []).append(r)
+        detail = "; ".join(f"ranks {rs}: {t}" for t, rs in groups.items())
+        error = BatchError(f"ranks disagree on {what}: {detail}. Every rank must pass inputs of the same "
+                           "structure, shapes and dtypes (a DistributedSampler with drop_last=True does this).")
+    if error is not None:
+        raise error from problem
+    return tuple(s.rows for s in said)
+
+
+def _as_partita(problem: BaseException) -> BaseException:
+    return problem if isinstance(problem, PartitaError) else PartitaError(_problem_text(problem).partition(": ")[2])
+
+
+def agree_call(description: str, rows: int, problem: BaseException | None = None) -> tuple[int, ...]:
+    """`agree` at the start of a call of a parallelized model, counted: every rank's local rows."""
+    global _calls
+    every = agree(description, "their inputs", problem, rows)
+    _calls += 1
+    return every
+
+
+@contextlib.contextmanager
+def together(what: str):
+    """Run local work (no collective inside) that may fail on one rank only: if it fails anywhere, every rank
+    raises that rank's error at the end of the block instead of waiting for it in the next collective."""
+    problem = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - every kind must reach the other ranks
+        problem = e
+    agree(what, what, problem)
+
+
+def leave() -> bool:
+    """At shutdown: tell ranks still calling the model that this one stopped. False when some did (they raise
+    an error naming this rank; this one logs it and must not wait for them in a barrier)."""
+    if _single():
+        return True
+    said = _exchange(State.LEAVING, 0, "leaving")
+    why = _left_early(said, dist.get_rank())
+    if why is not None:
+        log.error("partita: %s", why)
+        return False
+    return True

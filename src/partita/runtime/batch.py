@@ -1,0 +1,48 @@
+"""The global batch of a call: each rank's rows, and a loss over all of them.
+
+Each rank passes its own local batch; the global batch is the ranks' local batches concatenated in rank order.
+Under data parallelism the local batches may differ in size (a last short batch): each rank's mean is then
+weighed by its rows, so that the loss and the gradients are those of the global batch, not a mean of means.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from partita.errors import BatchError
+
+
+def local_rows(tensors: list[torch.Tensor]) -> int:
+    """The rows of this rank's batch: every tensor input's size in dim 0, which must be the same."""
+    rows = {t.shape[0] for t in tensors}
+    if len(rows) > 1:
+        raise BatchError(f"the tensor inputs have different sizes in dim 0 ({sorted(rows)}); partita splits "
+                         "every tensor input along dim 0 as the batch, so they must all have the same size")
+    return rows.pop() if rows else 0
+
+
+def global_loss(value: torch.Tensor, reduction: str, rows: tuple[int, ...]) -> torch.Tensor:
+    """The global batch's loss from each rank's `value` (a mean over its `rows[rank]` rows, or a sum), the same
+    on every rank, with a gradient such that DDP's average of the ranks' gradients is the global batch's.
+
+    A mean weighs rank r by rows[r] / sum(rows); DDP divides every gradient by the world size W, so rank r's
+    own value gets the gradient W * rows[r] / sum(rows) (1 when all ranks pass the same rows). A sum adds the
+    ranks' values and each gets the gradient W."""
+    world = len(rows)
+    if world == 1:
+        return value
+    rank = dist.get_rank()
+    uneven = len(set(rows)) > 1
+    total = value.detach().clone()
+    if reduction == "mean" and uneven:
+        total = total * rows[rank]
+    dist.all_reduce(total)
+    if reduction == "sum":
+        weight = float(world)
+    elif uneven:
+        total, weight = total / sum(rows), world * rows[rank] / sum(rows)
+    else:
+        total, weight = total / world, 1.0
+    mine = value * weight if weight != 1.0 else value
+    return mine + (total - mine).detach()

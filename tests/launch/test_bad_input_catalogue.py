@@ -1,0 +1,87 @@
+"""The bad-input and fault catalogue, as real `partita run -n 2` jobs: for each case the exit status, how long the
+job took to end, and the message every rank printed.
+
+Cases that live elsewhere, with real processes too: a killed rank (test_run.py), a stopped rank
+(test_stopped_rank.py), SIGTERM / SIGUSR1 and kill -9 during training or during a save (test_morph.py), damaged and
+crafted checkpoints (test_checkpoint_integrity.py, test_elastic_fallback.py, torch/test_checkpoint_files.py), bad
+PARTITA_* settings (test_bad_settings.py), and the same errors on every rank of a pool of processes
+(distributed/test_bad_input.py).
+"""
+
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from launch.harness import BIN, env, output
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(Path(__file__).resolve().parent / "bad_input.py")
+SECONDS = 40  # a job that waits for a collective instead would take the harness's PARTITA_TIMEOUT_S (60 s) and more
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    exit: int
+    message: str  # printed by every rank
+
+
+CATALOGUE = [
+    Case("uneven_rows_data_parallel", 0, "global batch's 0."),
+    Case("uneven_rows_pipeline", 1, "BatchError: ranks pass batches of different sizes (rank 0: 4, rank 1: 6 rows)"),
+    Case("uneven_steps", 1, "partita.shutdown() was called on rank 1 after 2 calls of the model, while rank 0 made "
+                            "call 3"),
+    Case("micro_batches_do_not_split", 1, "BatchError: the global batch of 6 rows (2 ranks x 3) does not split into "
+                                          "4 micro-batches whatever the layout"),
+    Case("float64_input", 1, "BatchError: input tensor #0 (shape (8, 8)) is torch.float64, but the model computes "
+                             "it in torch.float32"),
+    Case("capture_fails_on_one_rank", 1, "rank 1: "),
+    Case("uncapturable", 1, "CaptureError: "),
+    Case("corrupt_plan", 1, "PlanError: "),
+    Case("plan_of_another_model", 1, "PlanError: the plan was made for another model"),
+]
+
+
+def run(case: str, run_dir: Path) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    proc = subprocess.run([str(BIN / "partita"), "run", "-n", "2", "--quiet", "--log-dir", str(run_dir / "logs"),
+                           SCRIPT, case, str(run_dir)], capture_output=True, text=True,
+                          env=env(PARTITA_PROFILE="estimate"), timeout=180)
+    return proc, time.monotonic() - start
+
+
+def rank_output(run_dir: Path, rank: int) -> str:
+    return "".join(p.read_text() for name in ("stdout.log", "stderr.log")
+                   for p in sorted((run_dir / "logs").glob(f"*/attempt_0/{rank}/{name}")))
+
+
+@pytest.mark.parametrize("case", CATALOGUE, ids=lambda c: c.name)
+def test_catalogue(case, tmp_path):
+    proc, took = run(case.name, tmp_path)
+    assert proc.returncode == case.exit, output(proc)
+    assert took < SECONDS, f"{case.name} took {took:.0f} s to end\n{output(proc)}"
+    for rank in range(2):
+        assert case.message in rank_output(tmp_path, rank), f"rank {rank}\n{rank_output(tmp_path, rank)}"
+    if case.exit:
+        assert "partita run: rank" in proc.stderr and "failed with exit code 1" in proc.stderr, output(proc)
+
+
+def test_capture_failing_on_one_rank_names_that_rank_and_its_error(tmp_path):
+    proc, _ = run("capture_fails_on_one_rank", tmp_path)
+    for rank in range(2):
+        assert "ValueError: a record on rank 1 is corrupt" in rank_output(tmp_path, rank)
+
+
+def test_two_jobs_at_once_on_one_machine_both_train(tmp_path):
+    start = time.monotonic()
+    procs = [subprocess.Popen([str(BIN / "partita"), "run", "-n", "2", "--quiet", "--log-dir", str(tmp_path / f"logs{k}"),
+                               SCRIPT, "train", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env(PARTITA_PROFILE="estimate")) for k in range(2)]
+    ends = [subprocess.CompletedProcess(p.args, p.wait(timeout=180), *p.communicate()) for p in procs]
+    for proc in ends:
+        assert proc.returncode == 0, output(proc)
+    assert time.monotonic() - start < 2 * SECONDS
