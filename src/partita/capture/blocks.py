@@ -6,7 +6,8 @@ convolutions, attention), plus one per output element for everything else.
 
 Blocks group the splitter's units by module: the coarsest module depth at which no block holds more than
 1/32 of the model's work (a transformer's layers, or inside them for a shallow model). Operations of the
-root module (glue such as `x + pos`) join the block that follows them.
+root module (glue such as `x + pos`) join the block that follows them. A cut that a tensor with a size read
+from tensor values would cross (a mixture of experts' per-expert tokens) is no block boundary.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from partita.capture.export import CapturedGraph
-from partita.capture.shapes import concrete
+from partita.capture.shapes import concrete, value_dependent
 from partita.capture.split import units, written_args
 from partita.graph import Block, ModelGraph
 from partita.graph.graph import Fit
@@ -186,8 +187,10 @@ def model_graph(cap: CapturedGraph) -> ModelGraph:
     for p in cap.parameters:
         val = placeholder_of[p].meta["val"]
         param_bytes[cap.fqn_of[p]] = val.numel() * val.element_size()
+    unit_of = {n.name: i for i, u in enumerate(us) for n in u.nodes}
+    crossings = _crossings(cap, unit_of, len(us))
     blocks = []
-    for i, (start, stop, name) in enumerate(_segments(us)):
+    for i, (start, stop, name) in enumerate(_join_sealed(_segments(us), _sealed_cuts(crossings))):
         group = us[start:stop]
         blocks.append(Block(
             index=i, name=name, units=(start, stop), first_node=group[0].nodes[0].name,
@@ -199,8 +202,7 @@ def model_graph(cap: CapturedGraph) -> ModelGraph:
             params=tuple(sorted(set().union(*(u.params for u in group)))),
             writes_buffers=any(u.writes_buffers for u in group),
         ))
-    unit_of = {n.name: i for i, u in enumerate(us) for n in u.nodes}
-    per_unit = _boundaries(cap, unit_of, len(us))
+    per_unit = _boundaries(crossings, len(us))
     return ModelGraph(
         blocks=tuple(blocks), param_bytes=param_bytes,
         boundary_bytes=tuple(per_unit[b.units[1] - 1] for b in blocks[:-1]),
@@ -216,9 +218,10 @@ def _sum(fits) -> Fit:
     return total
 
 
-def _boundaries(cap: CapturedGraph, unit_of: dict[str, int], num_units: int) -> list[Fit]:
-    """Bytes of the tensors live across the cut after each unit, as lines in the rows."""
-    delta = [[0.0, 0.0] for _ in range(num_units + 1)]
+def _crossings(cap: CapturedGraph, unit_of: dict[str, int], num_units: int) -> list[tuple[torch.Tensor, int, int]]:
+    """Each tensor that lives across cuts, with the cuts it crosses: start .. dies-1 (cut k lies between unit k
+    and unit k+1)."""
+    out = []
     outputs = {o.name for o in cap.outputs if isinstance(o, fx.Node)}
     for node in cap.gm.graph.nodes:
         is_input = node.op == "placeholder" and node.name in cap.user_inputs
@@ -231,14 +234,50 @@ def _boundaries(cap: CapturedGraph, unit_of: dict[str, int], num_units: int) -> 
         readers = [unit_of[u.name] for u in node.users if u.name in unit_of]
         dies = num_units if node.name in outputs else max(readers, default=born)
         start = max(born, 0)
-        if dies > start:  # live across cuts start .. dies-1 (cut k lies between unit k and unit k+1)
-            b1, b2 = _bytes(val, 1), _bytes(val, 2)
-            for k, sign in ((start, 1), (dies, -1)):
-                delta[k][0] += sign * (2 * b1 - b2)
-                delta[k][1] += sign * (b2 - b1)
+        if dies > start:
+            out.append((val, start, dies))
+    return out
+
+
+def _boundaries(crossings: list[tuple[torch.Tensor, int, int]], num_units: int) -> list[Fit]:
+    """Bytes of the tensors live across the cut after each unit, as lines in the rows."""
+    delta = [[0.0, 0.0] for _ in range(num_units + 1)]
+    for val, start, dies in crossings:
+        b1, b2 = _bytes(val, 1), _bytes(val, 2)
+        for k, sign in ((start, 1), (dies, -1)):
+            delta[k][0] += sign * (2 * b1 - b2)
+            delta[k][1] += sign * (b2 - b1)
     live, out = [0.0, 0.0], []
     for k in range(num_units - 1):
         live = [live[0] + delta[k][0], live[1] + delta[k][1]]
         out.append(Fit.line(*live))
     out.append(Fit.line(0.0, 0.0))
     return out
+
+
+def _sealed_cuts(crossings: list[tuple[torch.Tensor, int, int]]) -> set[int]:
+    """Cuts that a tensor whose size depends on tensor values crosses (the tokens routed to one expert): no
+    stage could receive it, because a pipeline sizes its receive buffers before the values exist."""
+    return {k for val, start, dies in crossings if value_dependent(val) for k in range(start, dies)}
+
+
+def _join_sealed(ranges: list[tuple[int, int, str]], sealed: set[int]) -> list[tuple[int, int, str]]:
+    """Blocks joined across sealed cuts, named by the module the joined ones share."""
+    out: list[tuple[int, int, str]] = []
+    for start, stop, name in ranges:
+        if out and out[-1][1] - 1 in sealed:
+            first, _, first_name = out.pop()
+            out.append((first, stop, _common_module(first_name, name)))
+        else:
+            out.append((start, stop, name))
+    return out
+
+
+def _common_module(a: str, b: str) -> str:
+    """'moe.experts.0' and 'moe.router' -> 'moe'."""
+    common = []
+    for x, y in zip(a.split("."), b.split(".")):
+        if x != y:
+            break
+        common.append(x)
+    return ".".join(common)

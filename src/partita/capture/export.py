@@ -22,7 +22,7 @@ from torch import fx, nn
 from torch.export import Dim, export
 from torch.export.graph_signature import InputKind, OutputKind
 
-from partita.capture.shapes import meta_like, shape_at
+from partita.capture.shapes import meta_like, shape_at, value_dependent
 from partita.errors import BatchError, CaptureError
 
 _ROOT = "model"  # name of the user's module inside the flattening wrapper
@@ -95,11 +95,19 @@ class CapturedGraph:
     parameters: set[str]  # placeholder names that are parameters
     outputs: list[Any]  # user output leaves: fx.Node or a constant, in out_spec order
     out_spec: pytree.TreeSpec
+    # the call's tensors the graph was traced with (the user's own, at least 2 rows): real values to measure on
+    examples: list[torch.Tensor]
     buffer_updates: list[tuple[str, str]] = field(default_factory=list)  # (value node, buffer placeholder)
     requires_grad: dict[str, bool] = field(default_factory=dict)  # node name -> its tensor needs a gradient
 
     def node(self, name: str) -> fx.Node:
         return _node_index(self.gm)[name]
+
+    def routes_by_value(self) -> bool:
+        """Whether a size depends on tensor values (the tokens routed to each expert of a mixture of experts).
+        Eager code may then skip what a step does not reach (an expert without tokens), which export cannot
+        capture: its parameters get no gradient on a rank, though the graph reads them."""
+        return any(value_dependent(n.meta.get("val")) for n in self.gm.graph.nodes)
 
 
 _NODE_INDEX: dict[int, dict[str, fx.Node]] = {}
@@ -140,10 +148,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> CapturedGraph:
             ep = export(wrapper, tuple(examples), dynamic_shapes=dynamic, strict=False)
     except Exception as e:  # noqa: BLE001 - translated into an actionable CaptureError
         raise _capture_error(model, tracker, e) from e
-    return _from_exported(ep, model.training, signature)
+    return _from_exported(ep, model.training, signature, examples)
 
 
-def _from_exported(ep, training: bool, signature: CallSignature) -> CapturedGraph:
+def _from_exported(ep, training: bool, signature: CallSignature, examples: list[torch.Tensor]) -> CapturedGraph:
     gm = ep.graph_module
     tensor_of: dict[str, torch.Tensor] = {}
     fqn_of: dict[str, str] = {}
@@ -186,7 +194,7 @@ def _from_exported(ep, training: bool, signature: CallSignature) -> CapturedGrap
             raise CaptureError(f"the captured graph has an output of kind {spec.kind.name}, not supported")
     cap = CapturedGraph(
         gm=gm, training=training, signature=signature, user_inputs=user_inputs, tensor_of=tensor_of,
-        fqn_of=fqn_of, parameters=parameters, outputs=outputs, out_spec=ep.call_spec.out_spec,
+        fqn_of=fqn_of, parameters=parameters, outputs=outputs, out_spec=ep.call_spec.out_spec, examples=examples,
         buffer_updates=updates,
     )
     cap.requires_grad = _requires_grad(cap)
@@ -230,7 +238,8 @@ def _requires_grad(cap: CapturedGraph) -> dict[str, bool]:
 
 
 def _meta_value(val: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    return meta_like(val, 2, requires_grad)
+    # only the flag matters here: a size that depends on tensor values (nonzero's, say) may be any size
+    return meta_like(val, 2, requires_grad, estimate=True)
 
 
 class _ModuleTracker:

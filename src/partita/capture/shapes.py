@@ -7,6 +7,17 @@ import torch
 from partita.errors import PlanError
 
 
+def _value_symbols(expr) -> list:
+    """The symbols of `expr` that stand for sizes read from tensor values (export's unbacked symbols)."""
+    return [s for s in expr.free_symbols if str(s).startswith("u")]
+
+
+def value_dependent(val) -> bool:
+    """Whether a tensor's size depends on the values of tensors (a nonzero's, say), not only on the batch."""
+    return isinstance(val, torch.Tensor) and any(
+        isinstance(d, torch.SymInt) and _value_symbols(d.node.expr) for d in val.shape)
+
+
 def concrete(x, batch: int, estimate: bool = False):
     """A symbolic size, or a plain value, with every batch symbol set to `batch`.
 
@@ -15,8 +26,7 @@ def concrete(x, batch: int, estimate: bool = False):
     for sym_type, py_type in ((torch.SymInt, int), (torch.SymFloat, float), (torch.SymBool, bool)):
         if isinstance(x, sym_type):
             expr = x.node.expr
-            unbacked = [s for s in expr.free_symbols if str(s).startswith("u")]
-            if unbacked and not estimate:
+            if _value_symbols(expr) and not estimate:
                 raise PlanError(
                     f"a tensor's size ({expr}) depends on tensor values, not only on the batch size; partita "
                     "cannot size the buffers that carry it between stages. Keep such ops (nonzero, masked "
@@ -26,11 +36,11 @@ def concrete(x, batch: int, estimate: bool = False):
     return x
 
 
-def shape_at(val: torch.Tensor, batch: int) -> tuple[int, ...]:
-    return tuple(int(concrete(d, batch)) for d in val.shape)
+def shape_at(val: torch.Tensor, batch: int, estimate: bool = False) -> tuple[int, ...]:
+    return tuple(int(concrete(d, batch, estimate)) for d in val.shape)
 
 
-def meta_like(val: torch.Tensor, batch: int, requires_grad: bool) -> torch.Tensor:
-    """An empty meta tensor with `val`'s dtype, at the given batch size."""
-    t = torch.empty(shape_at(val, batch), dtype=val.dtype, device="meta")
+def meta_like(val: torch.Tensor, batch: int, requires_grad: bool, estimate: bool = False) -> torch.Tensor:
+    """An empty meta tensor with `val`'s dtype, at the given batch size (see `concrete` for `estimate`)."""
+    t = torch.empty(shape_at(val, batch, estimate), dtype=val.dtype, device="meta")
     return t.requires_grad_(requires_grad and (t.is_floating_point() or t.is_complex()))

@@ -1,5 +1,6 @@
 """Measure each block of a captured graph on this rank's device: forward and backward seconds, and the bytes
-autograd keeps for the backward, at two micro-batch sizes, so that each is a line in the rows.
+autograd keeps for the backward, at two micro-batch sizes, so that each is a line in the rows. Each block runs
+on the values that a forward of the call's own inputs (their rows repeated to the size measured) gives it.
 
 Blocks with the same signature (the layers of a transformer) are measured once. Ranks measure disjoint
 blocks at the same time and rank 0 collects the results. Measuring never changes the model: gradients are
@@ -17,10 +18,10 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch import fx
 
 from partita.capture.export import CapturedGraph
-from partita.capture.shapes import shape_at
-from partita.capture.split import split
+from partita.capture.split import StageGraph, split
 from partita.graph import Block, BlockCost, Fit, ModelGraph
 
 REPEATS = 5  # timed samples per measurement; the median is kept
@@ -44,20 +45,70 @@ def _block_module(cap: CapturedGraph, graph: ModelGraph, block: Block):
     return split(cap, stage_of_unit, num_stages)[before]
 
 
-def _inputs(cap: CapturedGraph, names: list[str], rows: int, device: torch.device) -> list[torch.Tensor]:
-    """Stand-in tensors of the right shapes: random floats, zeros for integers (valid indices), ones for masks."""
-    out = []
-    for name in names:
-        val = cap.node(name).meta["val"]
-        shape = shape_at(val, rows)
-        if val.is_floating_point():
-            t = torch.randn(shape, dtype=val.dtype, device=device).requires_grad_(cap.requires_grad.get(name, False))
-        elif val.dtype == torch.bool:
-            t = torch.ones(shape, dtype=torch.bool, device=device)
+def _tiled(t: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    """`rows` rows made of `t`'s own rows, repeated as often as needed: real values at any micro-batch size."""
+    repeats = -(-rows // t.shape[0])
+    return t.detach().to(device).repeat(repeats, *[1] * (t.dim() - 1))[:rows]
+
+
+class _Enough(Exception):
+    """Every block's inputs are taken: the rest of the graph need not run."""
+
+
+class _InputTaker(fx.Interpreter):
+    """Runs the captured graph and copies each wanted block's inputs just before the block's first op: the
+    values a pipeline stage starting there would receive (after any in-place write by an earlier op)."""
+
+    def __init__(self, cap: CapturedGraph, inputs_at: dict[str, list[str]]):
+        super().__init__(cap.gm)
+        self.cap = cap
+        self.inputs_at = inputs_at  # first node of a block -> the names of the values it reads
+        self.taken: dict[str, list[torch.Tensor]] = {}
+        # the interpreter frees a value after its last reader, but a block may take a value it never reads (a
+        # stage that reads nothing from before still receives one input to start on)
+        wanted = {name for names in inputs_at.values() for name in names}
+        for node, dying in self.user_to_last_uses.items():
+            self.user_to_last_uses[node] = [d for d in dying if d.name not in wanted]
+
+    def run_node(self, n: fx.Node):
+        if n.name in self.inputs_at:
+            self.taken[n.name] = [self._copy(name) for name in self.inputs_at[n.name]]
+            if len(self.taken) == len(self.inputs_at):
+                raise _Enough
+        return super().run_node(n)
+
+    def _copy(self, name: str) -> torch.Tensor:
+        value = torch.clone(self.env[self.cap.node(name)].detach(), memory_format=torch.contiguous_format)
+        return value.requires_grad_(value.is_floating_point() and self.cap.requires_grad.get(name, False))
+
+
+def block_inputs(cap: CapturedGraph, inputs_at: dict[str, list[str]], rows: int,
+                 device: torch.device) -> dict[str, list[torch.Tensor]]:
+    """For each block (by its first node), the values it reads, from one forward of the captured graph on the
+    call's own inputs at `rows` rows. Made-up values are no substitute: a mixture of experts indexes tokens
+    and weights with the routing the forward computes, and made-up indices are out of bounds.
+
+    The graph writes into buffers in place (BatchNorm statistics), so it runs on copies of them."""
+    if not inputs_at:
+        return {}
+    examples = iter(cap.examples)
+    args = []
+    for node in cap.gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        if node.name in cap.parameters:
+            args.append(cap.tensor_of[node.name])
+        elif node.name in cap.tensor_of:
+            args.append(cap.tensor_of[node.name].detach().clone())
         else:
-            t = torch.zeros(shape, dtype=val.dtype, device=device)
-        out.append(t)
-    return out
+            args.append(_tiled(next(examples), rows, device))
+    taker = _InputTaker(cap, inputs_at)
+    with torch.no_grad():
+        try:
+            taker.run(*args)
+        except _Enough:
+            pass
+    return taker.taken
 
 
 def _sync(device: torch.device) -> None:
@@ -132,8 +183,14 @@ def measure_block(cap: CapturedGraph, graph: ModelGraph, block: Block, rows: int
                   device: torch.device, launch_s: float = 0.0) -> tuple[float, float, float]:
     """(forward seconds, backward seconds, bytes kept for the backward) of one block at `rows` rows."""
     stage = _block_module(cap, graph, block)
+    inputs = block_inputs(cap, {block.first_node: stage.inputs}, rows, device)[block.first_node]
+    return _measure_stage(stage, inputs, device, launch_s)
+
+
+def _measure_stage(stage: StageGraph, inputs: list[torch.Tensor], device: torch.device,
+                   launch_s: float) -> tuple[float, float, float]:
+    """measure_block's numbers for a block cut out as `stage`, run on `inputs`."""
     module = stage.module
-    inputs = _inputs(cap, stage.inputs, rows, device)
     params = [p for p in module.parameters() if p.requires_grad]
     kept = {t.untyped_storage().data_ptr() for t in list(module.parameters()) + list(module.buffers())}
     written = [getattr(module, name) for name in stage.written_buffers]
@@ -181,6 +238,9 @@ def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, devi
     signatures = sorted(first_of)
     mine = signatures[rank::world]
     r1, r2 = profile_rows(local_batch)
+    stages = {sig: _block_module(cap, graph, first_of[sig]) for sig in mine}
+    inputs_at = {first_of[sig].first_node: stages[sig].inputs for sig in mine}
+    inputs = {rows: block_inputs(cap, inputs_at, rows, device) for rows in (r1, r2)}
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     turns = -(-local_world // at_once) if at_once else 1
@@ -194,8 +254,8 @@ def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, devi
             for round_ in range(ROUNDS):
                 for i, sig in enumerate(mine):
                     for rows in (r1, r2):
-                        samples.setdefault((sig, rows), []).append(
-                            measure_block(cap, graph, first_of[sig], rows, device, launch))
+                        samples.setdefault((sig, rows), []).append(_measure_stage(
+                            stages[sig], inputs[rows][first_of[sig].first_node], device, launch))
                     if show_progress and rank == 0:
                         _progress(round_ * len(mine) + i + 1, ROUNDS * len(mine), len(signatures), world,
                                   graph.num_blocks)
