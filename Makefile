@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch would pull the CUDA build (GBs)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q numpy pytest pytest-timeout transformers matplotlib
+	$(PY) -m pip install -q numpy xxhash pytest pytest-timeout transformers matplotlib
 	# launchers: Ray Train (with its dashboard, which serves the state API that Ray Train polls) and mpi4py
 	$(PY) -m pip install -q "ray[default,train]==2.60.0" mpi4py==4.1.2
 	$(PY) -m pip install -q --no-build-isolation -e .

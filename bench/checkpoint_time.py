@@ -7,6 +7,10 @@ Adam after one step (another 201 MB of state). Two layouts: 2 stages x 2 replica
 share of its stage's tensors) and one data-parallel stage (identical copies, DCP spreads the writing). The
 reference is what a script without partita.save does: gather the model and optimizer onto rank 0 and
 torch.save them. Medians of --repeats runs; the page cache is warm, so loads read memory, not the disk.
+
+The checksums' share: the XXH3 work a save does (each rank its own data files, rank 0 also `.metadata`) and a
+load does (each rank its share of the files), timed alone on the saved checkpoint like the save and the load,
+against the median save and load (which include it). The goal is at most 10% of the save.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ def worker(out: str, workdir: str, layout: str, repeats: int) -> None:
 
     import partita
     from models import TutorialMLP
+    from partita.checkpoint.checksums import checksums_of, share, verify
+    from partita.checkpoint.manifest import read_manifest
 
     os.environ["PARTITA_PROFILE"] = "estimate"  # the plan is fixed; measuring would only cost time
     w = partita.init()
@@ -56,6 +62,13 @@ def worker(out: str, workdir: str, layout: str, repeats: int) -> None:
     root = os.path.join(workdir, "ckpt")
     save = [_timed(lambda: partita.save(model, opt, root, step=1, keep=1)) for _ in range(repeats)]
     load = [_timed(lambda: partita.load(model, opt, root)) for _ in range(repeats)]
+    directory = Path(partita.latest_checkpoint(root))
+    manifest = read_manifest(directory)
+    # DCP names the data files of rank r __<r>_<n>.distcp; rank 0 writes .metadata
+    written = [n for n in manifest.xxh3_64 if n.startswith(f"__{w.rank}_") or (n == ".metadata" and w.rank == 0)]
+    checksum_save = [_timed(lambda: checksums_of(directory, written)) for _ in range(repeats)]
+    checksum_load = [_timed(lambda: verify(directory, manifest, share(manifest.xxh3_64, w.rank, w.world_size)))
+                     for _ in range(repeats)]
     model_only = [_timed(lambda: partita.save(model, None, os.path.join(workdir, "weights"), step=1, keep=1))
                   for _ in range(repeats)]
     reference_file = os.path.join(workdir, "rank0.pt")
@@ -67,9 +80,11 @@ def worker(out: str, workdir: str, layout: str, repeats: int) -> None:
 
     reference = [_timed(gather_and_torch_save) for _ in range(repeats)]
     if w.rank == 0:
-        size = sum(f.stat().st_size for f in Path(partita.latest_checkpoint(root)).iterdir())
+        size = sum(f.stat().st_size for f in directory.iterdir())
         Path(out).write_text(json.dumps({"save": save, "load": load, "model_only": model_only,
-                                         "reference": reference, "bytes": size,
+                                         "reference": reference, "checksum_save": checksum_save,
+                                         "checksum_load": checksum_load,
+                                         "bytes": size,
                                          "plan": model.plan.explain().splitlines()[0]}))
     partita.shutdown()
 
@@ -91,13 +106,17 @@ def main() -> None:
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             r = json.loads(Path(out).read_text())
             shutil.rmtree(os.path.join(tmp, "ckpt"), ignore_errors=True)
-        median = {k: statistics.median(r[k]) for k in ("save", "load", "model_only", "reference")}
+        median = {k: statistics.median(r[k]) for k in ("save", "load", "model_only", "reference", "checksum_save",
+                                                        "checksum_load")}
         mb = r["bytes"] / 1e6
         print(f"checkpoint_time: {r['plan']}")
         print(f"checkpoint_time: {args.ranks} ranks, {layout}, model + Adam {mb:.0f} MB: save {median['save']:.2f} s "
               f"({mb / median['save']:.0f} MB/s), load {median['load']:.2f} s ({mb / median['load']:.0f} MB/s); "
               f"weights only save {median['model_only']:.2f} s; gather to rank 0 + torch.save "
               f"{median['reference']:.2f} s")
+        print(f"checkpoint_time: checksums (XXH3-64): {median['checksum_save']:.3f} s of the save "
+              f"({100 * median['checksum_save'] / median['save']:.1f}%), {median['checksum_load']:.3f} s of the load "
+              f"({100 * median['checksum_load'] / median['load']:.1f}%)")
 
 
 if __name__ == "__main__":

@@ -37,18 +37,36 @@ def _raise_for(problems: dict[int, str], what: str, cause: BaseException | None)
     raise CheckpointError(f"{what}: {detail}") from cause
 
 
+def _attempt(step: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    try:
+        return step(), None
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the caller
+        return None, e
+
+
+def _all_gather(value) -> list:
+    if not _distributed():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def together(step: Callable[[], T], what: str) -> T:
     """Run `step` on every rank; if it failed anywhere, raise the same CheckpointError everywhere."""
-    try:
-        result, problem = step(), None
-    except Exception as e:  # noqa: BLE001 - reported to every rank below
-        result, problem = None, e
-    texts: list = [None if problem is None else _describe(problem)]
-    if _distributed():
-        texts = [None] * dist.get_world_size()
-        dist.all_gather_object(texts, None if problem is None else _describe(problem))
+    result, problem = _attempt(step)
+    texts = _all_gather(None if problem is None else _describe(problem))
     _raise_for({r: t for r, t in enumerate(texts) if t is not None}, what, problem)
     return result
+
+
+def every_rank(step: Callable[[], T], what: str) -> list[T]:
+    """Run `step` on every rank; every rank gets every rank's result (picklable, in rank order), or the same
+    CheckpointError if it failed anywhere."""
+    result, problem = _attempt(step)
+    pairs = _all_gather((result, None if problem is None else _describe(problem)))
+    _raise_for({r: t for r, (_, t) in enumerate(pairs) if t is not None}, what, problem)
+    return [value for value, _ in pairs]
 
 
 def from_rank0(step: Callable[[], T], what: str) -> T:

@@ -1,7 +1,7 @@
 """A checkpoint's model weights as one plain state-dict file, for inference without partita.
 
 Runs in one process without a process group: it reads every shard of the checkpoint (whatever world size
-wrote it) through the same checked reader as `partita.load`.
+wrote it) through the same checked reader as `partita.load`, after checking every file's checksum.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from partita.checkpoint import keys
+from partita.checkpoint import checksums, keys
 from partita.checkpoint.collective import dcp_step
 from partita.checkpoint.layout import resolve
 from partita.checkpoint.manifest import read_manifest
-from partita.checkpoint.unpickling import UNREADABLE, CheckedReader, WeightsOnlyLoadPlanner, read_metadata
+from partita.checkpoint.unpickling import UNREADABLE, CheckedReader, WeightsOnlyLoadPlanner, data_files, read_metadata
 from partita.errors import CheckpointError
 
 
@@ -48,6 +48,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Exported:
     directory = resolve(checkpoint)
     manifest = read_manifest(directory)
     metadata = read_metadata(directory)
+    checksums.check(directory, manifest, data_files(metadata))
     targets = {k: (torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None)
                for k, md in metadata.state_dict_metadata.items() if k.startswith(keys.MODEL)}
     dcp_step(lambda: dcp.load(targets, storage_reader=CheckedReader(directory, metadata),

@@ -5,6 +5,8 @@
       step-000130/
       latest                   "step-000130": the checkpoint saved last
       step-000140.tmp-3f9a1c/  being written, or left by a save that died: never read, removed by the next save
+      step-000110.skipped-9c2e41/  a checkpoint partita.elastic could not resume from: kept for inspection, never
+                               read, counted or removed by partita
 
 A save writes into a temporary directory next to its target and renames it into place once every rank
 has finished (a rename within one directory is atomic), then replaces `latest` (a temporary file,
@@ -25,6 +27,7 @@ from partita.errors import CheckpointError
 
 LATEST = "latest"
 TMP_MARK = ".tmp-"
+SKIPPED_MARK = ".skipped-"
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
@@ -104,6 +107,28 @@ def latest_checkpoint(path: str | os.PathLike) -> str | None:
         return str(named)
     complete = complete_checkpoints(root)
     return str(complete[-1][0]) if complete else None
+
+
+def previous_checkpoint(directory: Path) -> str | None:
+    """The complete checkpoint saved last before `directory`, in the same root; None if there is none."""
+    directory = Path(directory)
+    saved = [p for p, _ in complete_checkpoints(directory.parent)]
+    earlier = saved[:saved.index(directory)] if directory in saved else saved
+    return str(earlier[-1]) if earlier else None
+
+
+def newest_first(path: str | os.PathLike) -> list[str]:
+    """Every complete checkpoint under `path`, saved last first."""
+    return [str(p) for p, _ in reversed(complete_checkpoints(Path(path)))]
+
+
+def set_aside(directory: Path) -> Path:
+    """Rename a checkpoint that could not be resumed from out of the way (`step-N.skipped-<hex>`): saves of the
+    same step no longer replace it, keep-K pruning neither counts nor deletes it, and it stays for inspection."""
+    aside = directory.with_name(f"{directory.name}{SKIPPED_MARK}{secrets.token_hex(3)}")
+    os.rename(directory, aside)
+    fsync_dir(directory.parent)
+    return aside
 
 
 def write_latest(root: Path, name: str) -> None:

@@ -13,12 +13,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from partita.checkpoint import keys, optimizer as optimizer_state, rng
+from partita.checkpoint import checksums, keys, optimizer as optimizer_state, rng
 from partita.checkpoint.collective import dcp_step, from_rank0, together
 from partita.checkpoint.holding import Holding, canonical_names, holding_of
 from partita.checkpoint.layout import resolve
 from partita.checkpoint.manifest import Manifest, read_manifest
-from partita.checkpoint.unpickling import UNREADABLE, CheckedReader, WeightsOnlyLoadPlanner, read_metadata
+from partita.checkpoint.unpickling import UNREADABLE, CheckedReader, WeightsOnlyLoadPlanner, data_files, read_metadata
 from partita.errors import CheckpointError
 from partita.plan.plan import Plan
 
@@ -63,8 +63,9 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     keeps only the state of the parameters the rank trains under the plan it makes.
 
     Nothing in the checkpoint is unpickled except through weights_only loading (plain data and tensors);
-    a damaged, foreign or tampered checkpoint raises CheckpointError on every rank. If reading the data
-    itself fails, the model may be partly overwritten: load another checkpoint before training on.
+    a damaged, foreign or tampered checkpoint raises CheckpointError on every rank. Every file is checked
+    against the checksum recorded when it was saved before anything is read (the ranks share the checking),
+    so a file changed since leaves the model as it was; checkpoints saved without checksums load unverified.
 
     >>> import tempfile, torch, partita
     >>> net = torch.nn.Linear(4, 2)
@@ -92,6 +93,8 @@ def _prepare(model, optimizer, directory: Path) -> _Prepared:
     manifest = read_manifest(directory)
     metadata = read_metadata(directory)
     holding = holding_of(model)
+    # before anything is read into the model: a damaged checkpoint leaves it as it was
+    checksums.check(directory, manifest, data_files(metadata), rank=holding.rank, world_size=holding.world_size)
     current = holding.module.state_dict(keep_vars=True)
     _check_model(current, metadata, directory)
     targets: dict = {keys.model(n): (t.detach() if isinstance(t, torch.Tensor) else None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,9 @@ class Manifest:
     optimizer: str | None = None  # the optimizer's class name; None when saved without one
     param_groups: tuple[tuple[str, ...], ...] = ()  # parameter names of each optimizer param group
     extra: dict = field(default_factory=dict)
+    # file name -> XXH3-64 of its bytes (16 hex digits), for every file DCP wrote (.metadata included); empty in
+    # checkpoints saved before partita recorded them, which load unverified
+    xxh3_64: dict[str, str] = field(default_factory=dict)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -47,17 +51,57 @@ class Manifest:
     def from_json(cls, text: str, where: Path) -> "Manifest":
         try:
             data = json.loads(text)
+            if not isinstance(data, dict):
+                raise ValueError(f"it holds a {type(data).__name__}, not an object")
             if data.get("format") != FORMAT:
                 raise ValueError(f"format is {data.get('format')!r}, not {FORMAT!r}")
             if data.get("format_version") != FORMAT_VERSION:
                 raise ValueError(f"format version {data.get('format_version')} is not {FORMAT_VERSION}; this "
                                  "partita reads only its own format version")
+            _check_types(data)
             tensors = {n: TensorEntry(tuple(e["shape"]), e["dtype"]) for n, e in data["tensors"].items()}
             groups = tuple(tuple(g) for g in data.get("param_groups", ()))
             return cls(**{**data, "tensors": tensors, "param_groups": groups})
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{where} is not a readable partita manifest ({e}). The checkpoint is damaged "
                                   "or was not written by partita.save; load another checkpoint.") from e
+
+
+_HEX64 = re.compile(r"[0-9a-f]{16}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_list_of(kind):
+    return lambda v: isinstance(v, list) and all(isinstance(x, kind) for x in v)
+
+
+# what each field of manifest.json holds, as json.loads returns it; anything else is a damaged manifest (it would
+# fail later, far from the file: a saved_at that is text cannot be ordered against the others' times)
+_FIELD_TYPES = {
+    "step": _is_int,
+    "world_size": _is_int,
+    "saved_at": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "partita_version": lambda v: isinstance(v, str),
+    "torch_version": lambda v: isinstance(v, str),
+    "tensors": lambda v: isinstance(v, dict) and all(
+        isinstance(e, dict) and _is_list_of(int)(e.get("shape")) and isinstance(e.get("dtype"), str)
+        for e in v.values()),
+    "plan": lambda v: v is None or isinstance(v, dict),
+    "plan_summary": lambda v: isinstance(v, str),
+    "optimizer": lambda v: v is None or isinstance(v, str),
+    "param_groups": lambda v: isinstance(v, list) and all(_is_list_of(str)(g) for g in v),
+    "extra": lambda v: isinstance(v, dict),
+    "xxh3_64": lambda v: isinstance(v, dict) and all(isinstance(c, str) and _HEX64.fullmatch(c) for c in v.values()),
+}
+
+
+def _check_types(data: dict) -> None:
+    for name, fits in _FIELD_TYPES.items():
+        if name in data and not fits(data[name]):
+            raise ValueError(f"its {name} is {data[name]!r}, which is not what partita.save writes there")
 
 
 def plan_summary(plan: dict) -> str:

@@ -16,9 +16,11 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from partita.checkpoint import keys, layout, optimizer as optimizer_state, rng
-from partita.checkpoint.collective import dcp_step, from_rank0, together
+from partita.checkpoint.checksums import checksums_of
+from partita.checkpoint.collective import dcp_step, every_rank, from_rank0, together
 from partita.checkpoint.holding import Holding, canonical_names, holding_of
 from partita.checkpoint.manifest import Manifest, TensorEntry, plan_summary, write_manifest
+from partita.checkpoint.unpickling import METADATA, torch_refusal
 from partita.errors import CheckpointError
 
 
@@ -50,12 +52,28 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     together(lambda: _check_visible(tmp), what)
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False,
                                  dedup_save_to_lowest_rank=False)  # one writer per tensor, balanced by bytes
-    dcp_step(lambda: dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner,
-                              no_dist=not dist.is_initialized()), what,
-             "Writing the checkpoint failed (is the disk full, or the path not writable?); the last complete "
+    writer = _NamingWriter(tmp)
+    dcp_step(lambda: dcp.save(state, storage_writer=writer, planner=planner, no_dist=not dist.is_initialized()),
+             what, "Writing the checkpoint failed (is the disk full, or the path not writable?); the last complete "
              "checkpoint is untouched")
-    final = from_rank0(lambda: _finish(root, tmp, holding, optimizer, step, extra or {}, keep), what)
+    # each rank checksums the files it wrote, while they are still in the page cache
+    written = every_rank(lambda: checksums_of(tmp, writer.written), what)
+    checksums = {name: digest for part in written for name, digest in part.items()}
+    final = from_rank0(lambda: _finish(root, tmp, holding, optimizer, step, extra or {}, keep, checksums), what)
     return str(final)
+
+
+class _NamingWriter(FileSystemWriter):
+    """DCP's file writer, noting the names of the data files this rank wrote."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.written: set[str] = set()
+
+    def write_data(self, plan, planner):
+        results = super().write_data(plan, planner)
+        self.written.update(r.storage_data.relative_path for r in results.wait())
+        return results
 
 
 def _check_arguments(model, optimizer, step, extra, keep) -> None:
@@ -86,9 +104,9 @@ def _check_plain(value, what: str) -> None:
     try:
         torch.load(buffer, weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever torch refuses
-        raise CheckpointError(f"{what} holds a value that loads only by running pickled code ({str(e).splitlines()[0]}"
-                              "); checkpoints hold plain data (tensors, numbers, strings, lists, tuples, dicts)."
-                              ) from None
+        raise CheckpointError(f"{what} holds a value that loads only by running pickled code ({torch_refusal(e)}); "
+                              "checkpoints hold plain data (tensors, numbers, strings, lists, tuples, dicts), so "
+                              "that loading one never runs code.") from None
 
 
 def _local_state(model, optimizer, step, extra, keep) -> tuple[Holding, dict]:
@@ -127,8 +145,10 @@ def _check_visible(tmp: Path) -> None:
                               "filesystem every rank shares (NFS, Lustre, a local disk on one node)")
 
 
-def _finish(root: Path, tmp: Path, holding: Holding, optimizer, step: int, extra: dict, keep: int) -> Path:
-    """Rank 0, after every rank's data and DCP's metadata are written: manifest, rename, `latest`, prune."""
+def _finish(root: Path, tmp: Path, holding: Holding, optimizer, step: int, extra: dict, keep: int,
+            checksums: dict[str, str]) -> Path:
+    """Rank 0, after every rank's data and DCP's metadata are written: manifest (with the data files' checksums
+    and that of `.metadata`), rename, `latest`, prune."""
     from partita import __version__
 
     tensors = {n: TensorEntry(tuple(t.shape), str(t.dtype).removeprefix("torch."))
@@ -140,7 +160,8 @@ def _finish(root: Path, tmp: Path, holding: Holding, optimizer, step: int, extra
         torch_version=torch.__version__, tensors=tensors, plan=plan,
         **({"plan_summary": plan_summary(plan)} if plan is not None else {}),
         optimizer=type(optimizer).__name__ if optimizer is not None else None,
-        param_groups=optimizer_state.group_names(optimizer, names) if optimizer is not None else (), extra=extra)
+        param_groups=optimizer_state.group_names(optimizer, names) if optimizer is not None else (), extra=extra,
+        xxh3_64=checksums | checksums_of(tmp, [METADATA]))
     write_manifest(tmp, manifest)
     layout.fsync_dir(tmp)
     final = root / layout.step_name(step)

@@ -6,7 +6,11 @@
         opt.zero_grad(); model(x, y).backward(); opt.step()
 
 On start it loads the latest checkpoint under the path, if any (model, optimizer, step, RNG states, `extra`); every
-rank must see the same one there (a filesystem all nodes share), or every rank stops at once with an error.
+rank must see the same one there (a filesystem all nodes share), or every rank stops at once with an error. A
+checkpoint that cannot be loaded (damaged: a file changed since it was saved) is skipped for the one saved before it,
+and so on; rank 0 logs which and why, and renames each skipped one aside (`step-N.skipped-<hex>`), so that later saves
+neither replace it nor prune good ones in its place. If none can be loaded, every rank stops with a CheckpointError
+that lists them, and nothing is renamed or deleted.
 The world may have changed since: the model is re-planned for the world it finds on its first call, and the
 global batch stays the same (each rank's share is `job.local_batch` rows). If the world has not changed, the
 checkpoint's plan is used again, so a resumed run computes exactly what an uninterrupted one would.
@@ -29,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from partita import checkpoint
-from partita.checkpoint.collective import together
+from partita.checkpoint import layout
+from partita.checkpoint.collective import from_rank0, together
 from partita.checkpoint.manifest import read_manifest
 from partita.morph.stop import RESUME_EXIT_CODE, StopRequest
 from partita.errors import CheckpointError, PartitaError
@@ -54,9 +59,11 @@ class Elastic:
         self.extra: dict = {}
         self.resumed_from: checkpoint.CheckpointInfo | None = None
         self.stop_request = StopRequest().install()
-        found = _agreed_latest_checkpoint(self.path)
-        if found is not None:
-            self._resume(found)
+        try:
+            self._resume_from_newest_usable()
+        except CheckpointError:
+            self._leave()
+            raise
         self.start_step = self.step  # where this run began: 0, or the step of the checkpoint it resumed from
 
     @property
@@ -79,6 +86,9 @@ class Elastic:
                     saved = self.save()
                 if reason:
                     self._exit(reason, saved)
+        except CheckpointError:  # a save that failed, on every rank at once
+            self._leave()
+            raise
         finally:
             self.stop_request.uninstall()
 
@@ -87,8 +97,54 @@ class Elastic:
         return checkpoint.save(self.model, self.optimizer, self.path, step=self.step, extra=self.extra, keep=self.keep)
 
     # ---- internals -----------------------------------------------------------------------------
-    def _resume(self, found: str) -> None:
-        info = checkpoint.load(self.model, self.optimizer, found)
+    def _resume_from_newest_usable(self) -> None:
+        """Load the latest checkpoint, or else the newest one that loads; every rank tries the same ones in the same
+        order (rank 0's list) and fails or succeeds with each together (`checkpoint.load` is collective)."""
+        latest = _agreed_latest_checkpoint(self.path)
+        if latest is None:
+            return
+        what = f"partita.elastic(path={self.path!r})"
+        order = [latest, *(c for c in from_rank0(lambda: layout.newest_first(self.path), what) if c != latest)]
+        skipped: list[tuple[str, CheckpointError]] = []
+        for candidate in order:
+            try:
+                info = checkpoint.load(self.model, self.optimizer, candidate)
+            except CheckpointError as e:
+                self._log(logging.WARNING, "cannot resume from %s (%s)%s", candidate, e,
+                          "; trying the one saved before it" if candidate != order[-1] else "")
+                skipped.append((candidate, e))
+                continue
+            if skipped:
+                self._set_aside([path for path, _ in skipped], what)
+            self._resumed(info)
+            return
+        listed = "; ".join(f"{path}: {str(e).rstrip('.')}" for path, e in skipped)
+        raise CheckpointError(
+            f"{what}: none of its {len(skipped)} checkpoint(s) can be resumed from, so the job stops (nothing was "
+            f"renamed or deleted): {listed}. Restore one from a copy, or move them away to start again from step 0.")
+
+    def _set_aside(self, paths: list[str], what: str) -> None:
+        """Rename the checkpoints skipped for an older one out of the way (rank 0), so that saving the same steps
+        again neither replaces them nor prunes good ones while they count among the last `keep`."""
+        aside = from_rank0(lambda: [str(layout.set_aside(Path(p))) for p in paths], what)
+        for path, moved in zip(paths, aside):
+            self._log(logging.WARNING, "kept %s, which could not be resumed from, as %s: nothing is deleted, and later "
+                      "saves neither replace it nor count it among the last %d; inspect it, then delete it", path,
+                      moved, self.keep)
+
+    def _log(self, level: int, message: str, *args) -> None:
+        if self.rank == 0:
+            env.log_to_stderr()
+            log.log(level, message, *args)
+
+    def _leave(self) -> None:
+        """Leave the process group before an error that every rank raises together ends the process: gloo's threads
+        still running at interpreter exit abort it ("terminate called without an active exception", SIGABRT),
+        and the launcher then reports the abort instead of the error."""
+        self.stop_request.uninstall()
+        env.shutdown()
+
+    def _resumed(self, info: checkpoint.CheckpointInfo) -> None:
         self.step, self.extra, self.resumed_from = info.step, dict(info.extra), info
         same_world = info.world_size == self.world_size
         if same_world and info.plan is not None:
@@ -97,16 +153,14 @@ class Elastic:
             adopt = getattr(self.model, "adopt_plan", None)
             if adopt is not None:
                 adopt(info.plan)
-        if self.rank == 0:
-            env.log_to_stderr()
-            batch = (f"; global batch {self.global_batch} = {self.world_size} rank(s) x {self.local_batch} rows"
-                     if self.global_batch is not None else "")
-            if same_world:
-                log.info("resumed from %s at step %d (same world of %d rank(s), same plan)%s", info.path, info.step,
-                         self.world_size, batch)
-            else:
-                log.info("resumed from %s at step %d: the world changed from %d to %d rank(s), so the model is "
-                         "planned again%s", info.path, info.step, info.world_size, self.world_size, batch)
+        batch = (f"; global batch {self.global_batch} = {self.world_size} rank(s) x {self.local_batch} rows"
+                 if self.global_batch is not None else "")
+        if same_world:
+            self._log(logging.INFO, "resumed from %s at step %d (same world of %d rank(s), same plan)%s", info.path,
+                      info.step, self.world_size, batch)
+        else:
+            self._log(logging.INFO, "resumed from %s at step %d: the world changed from %d to %d rank(s), so the model "
+                      "is planned again%s", info.path, info.step, info.world_size, self.world_size, batch)
 
     def _agreed_stop_reason(self) -> str | None:
         """A reason to stop if any rank has one (signals may reach only some ranks), the same on every rank."""
@@ -195,6 +249,10 @@ def elastic(model, optimizer, path: str | os.PathLike, *, global_batch: int | No
     its slice of a global batch. Saves every `save_every` steps (None: only when stopping and at the end),
     keeping the last `keep` checkpoints. Put anything else your loop needs to resume (a data loader's
     position, an LR scheduler's state_dict()) in `job.extra`, a dict saved with each checkpoint.
+
+    A checkpoint that cannot be loaded is skipped for the newest one that can (and renamed aside, see the module's
+    docstring). When no checkpoint can be loaded, or a save fails, every rank raises the same CheckpointError
+    after leaving the process group (`partita.shutdown()`), so that the process ends with that error.
 
     >>> import tempfile, torch, partita
     >>> net = partita.parallelize(torch.nn.Linear(4, 2), loss_fn=torch.nn.MSELoss())
