@@ -338,7 +338,9 @@ class ParallelModule(nn.Module):
         if env.get_world_size() == 1:
             return self.module
         used = {cap.fqn_of[n] for n in cap.parameters}
-        unused = any(p.requires_grad and n not in used for n, p in self.module.named_parameters())
+        # routing by value (a mixture of experts): eager code may skip an expert no row of this rank reaches
+        unused = cap.routes_by_value() or any(
+            p.requires_grad and n not in used for n, p in self.module.named_parameters())
         return DistributedDataParallel(self.module, find_unused_parameters=unused)
 
     def _settle_ddp_buckets(self, args: tuple, kwargs: dict) -> None:

@@ -82,3 +82,8 @@ def test_saved_plan_loads_and_checks(pools, tmp_path):
     assert "another model" in msg
     msg = errors(pools.run(4, "support.cases:bad_input", "use_plan", path), "PlanError")
     assert "for 2 ranks but this job has 4" in msg
+
+
+def test_profiling_failing_on_one_rank_stops_every_rank_with_its_error(pools):
+    msg = errors(pools.run(2, "support.cases:bad_input", "profiling_fails_on_one_rank"), "PartitaError")
+    assert msg.startswith("rank 1 failed while measuring the model's blocks") and "RuntimeError: injected fault" in msg

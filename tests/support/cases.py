@@ -7,6 +7,7 @@ API (get_param_grad, get_param, optimizer.state_dict), so the comparison also co
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import io
@@ -407,6 +408,13 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
             if "later" in scenario:
                 pm(x, y).backward()
             pm(x.double(), y)
+        elif scenario == "profiling_fails_on_one_rank":
+            # a model of its own, so that its blocks are measured now (links come from the session's cache)
+            odd = torch.nn.Sequential(torch.nn.Linear(32, 24), torch.nn.Tanh(), torch.nn.Linear(24, 32))
+            pm = partita.parallelize(odd, loss_fn=torch.nn.MSELoss(), stages=2)
+            with mock.patch("partita.profile.blocks._measure_stage", side_effect=RuntimeError("injected fault"))\
+                    if rank == 1 else contextlib.nullcontext():
+                pm(x, y)
         elif scenario == "capture_fails_on_one_rank":
             pm = partita.parallelize(_FailsOnRank(1, model), loss_fn=torch.nn.MSELoss())
             pm(x, y)

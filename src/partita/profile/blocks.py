@@ -22,6 +22,7 @@ from torch import fx
 
 from partita.capture.export import CapturedGraph
 from partita.capture.split import StageGraph, split
+from partita.errors import PartitaError
 from partita.graph import Block, BlockCost, Fit, ModelGraph
 
 REPEATS = 5  # timed samples per measurement; the median is kept
@@ -237,32 +238,18 @@ def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, devi
         first_of.setdefault(b.signature, b)
     signatures = sorted(first_of)
     mine = signatures[rank::world]
-    r1, r2 = profile_rows(local_batch)
-    stages = {sig: _block_module(cap, graph, first_of[sig]) for sig in mine}
-    inputs_at = {first_of[sig].first_node: stages[sig].inputs for sig in mine}
-    inputs = {rows: block_inputs(cap, inputs_at, rows, device) for rows in (r1, r2)}
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     turns = -(-local_world // at_once) if at_once else 1
-    results = {}
+    results: dict | tuple = {}
+    failure = None
     for turn in range(turns):
         if not at_once or local_rank // at_once == turn:
-            launch = backward_launch_seconds(device)
-            # ROUNDS passes over every measurement: a slow spell of a shared machine then spoils one sample of
-            # each, not every sample of one, and the medians drop it
-            samples: dict = {}
-            for round_ in range(ROUNDS):
-                for i, sig in enumerate(mine):
-                    for rows in (r1, r2):
-                        samples.setdefault((sig, rows), []).append(_measure_stage(
-                            stages[sig], inputs[rows][first_of[sig].first_node], device, launch))
-                    if show_progress and rank == 0:
-                        _progress(round_ * len(mine) + i + 1, ROUNDS * len(mine), len(signatures), world,
-                                  graph.num_blocks)
-            m = {key: [statistics.median(v) for v in zip(*values)] for key, values in samples.items()}
-            for sig in mine:
-                (f1, b1, a1), (f2, b2, a2) = m[sig, r1], m[sig, r2]
-                results[sig] = (Fit.through(r1, f1, r2, f2), Fit.through(r1, b1, r2, b2), Fit.through(r1, a1, r2, a2))
+            try:
+                results = _measure_share(cap, graph, first_of, mine, local_batch, device,
+                                         show_progress and rank == 0, len(signatures), world)
+            except Exception as e:  # noqa: BLE001 - the other ranks must hear of it, not wait for this rank
+                failure, results = e, ("failed", f"{type(e).__name__}: {e}")
         if turns > 1 and world > 1:
             dist.barrier()
     every: list = [None] * world
@@ -270,12 +257,43 @@ def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, devi
         dist.all_gather_object(every, results)
     else:
         every = [results]
+    for r, part in enumerate(every):
+        if isinstance(part, tuple):
+            raise PartitaError(f"rank {r} failed while measuring the model's blocks on the inputs of this call: "
+                               f"{part[1]}") from failure
     if rank != 0:
         return {}
     merged = {}
     for part in every:
         merged.update(part)
     return {sig: BlockCost(fwd, bwd, act) for sig, (fwd, bwd, act) in merged.items()}
+
+
+def _measure_share(cap: CapturedGraph, graph: ModelGraph, first_of: dict[str, Block], mine: list[str],
+                   local_batch: int, device: torch.device, show_progress: bool, distinct: int,
+                   world: int) -> dict[str, tuple[Fit, Fit, Fit]]:
+    """This rank's blocks (signatures `mine`): forward, backward and saved bytes, each a line in the rows."""
+    r1, r2 = profile_rows(local_batch)
+    stages = {sig: _block_module(cap, graph, first_of[sig]) for sig in mine}
+    inputs_at = {first_of[sig].first_node: stages[sig].inputs for sig in mine}
+    inputs = {rows: block_inputs(cap, inputs_at, rows, device) for rows in (r1, r2)}
+    launch = backward_launch_seconds(device)
+    # ROUNDS passes over every measurement: a slow spell of a shared machine then spoils one sample of
+    # each, not every sample of one, and the medians drop it
+    samples: dict = {}
+    for round_ in range(ROUNDS):
+        for i, sig in enumerate(mine):
+            for rows in (r1, r2):
+                samples.setdefault((sig, rows), []).append(_measure_stage(
+                    stages[sig], inputs[rows][first_of[sig].first_node], device, launch))
+            if show_progress:
+                _progress(round_ * len(mine) + i + 1, ROUNDS * len(mine), distinct, world, graph.num_blocks)
+    m = {key: [statistics.median(v) for v in zip(*values)] for key, values in samples.items()}
+    results = {}
+    for sig in mine:
+        (f1, b1, a1), (f2, b2, a2) = m[sig, r1], m[sig, r2]
+        results[sig] = (Fit.through(r1, f1, r2, f2), Fit.through(r1, b1, r2, b2), Fit.through(r1, a1, r2, a2))
+    return results
 
 
 def _progress(done: int, share: int, distinct: int, world: int, blocks: int) -> None:
