@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from partita import checkpoint
+from partita import checkpoint, settings
 from partita.checkpoint import layout
 from partita.checkpoint.collective import from_rank0, together
 from partita.checkpoint.manifest import read_manifest
@@ -179,7 +179,7 @@ class Elastic:
             log.info("stopping at step %d (%s) after saving %s; exit status %d: run the job again to resume",
                      self.step, reason, saved, RESUME_EXIT_CODE)
             # tells a launcher that can restart the job (the batch script of `partita slurm`) that it may
-            resume_file = os.environ.get("PARTITA_RESUME_FILE")
+            resume_file = settings.resume_file()
             if resume_file:
                 with open(resume_file, "w") as f:
                     f.write(saved)
