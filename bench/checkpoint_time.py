@@ -65,9 +65,9 @@ def worker(out: str, workdir: str, layout: str, repeats: int) -> None:
     directory = Path(partita.latest_checkpoint(root))
     manifest = read_manifest(directory)
     # DCP names the data files of rank r __<r>_<n>.distcp; rank 0 writes .metadata
-    written = [n for n in manifest.xxh3_64 if n.startswith(f"__{w.rank}_") or (n == ".metadata" and w.rank == 0)]
+    written = [n for n in manifest.checksums if n.startswith(f"__{w.rank}_") or (n == ".metadata" and w.rank == 0)]
     checksum_save = [_timed(lambda: checksums_of(directory, written)) for _ in range(repeats)]
-    checksum_load = [_timed(lambda: verify(directory, manifest, share(manifest.xxh3_64, w.rank, w.world_size)))
+    checksum_load = [_timed(lambda: verify(directory, manifest, share(manifest.checksums, w.rank, w.world_size)))
                      for _ in range(repeats)]
     model_only = [_timed(lambda: partita.save(model, None, os.path.join(workdir, "weights"), step=1, keep=1))
                   for _ in range(repeats)]

@@ -12,10 +12,10 @@ CASE = "support.checkpoint_cases"
 def test_each_ranks_files_are_checksummed_and_a_changed_one_stops_every_rank(pools, tmp_path):
     pools.run(2, f"{CASE}:save_steps", "mlp", str(tmp_path), [1, 2], keep=2)
     latest = tmp_path / "step-000002"
-    recorded = json.loads((latest / "manifest.json").read_text())["xxh3_64"]
+    recorded = json.loads((latest / "manifest.json").read_text())["checksums"]
     assert sorted(recorded) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # both ranks wrote a data file
     for name, digest in recorded.items():
-        assert digest == xxhash.xxh3_64_hexdigest((latest / name).read_bytes()), name
+        assert digest == "xxh3_64:" + xxhash.xxh3_64_hexdigest((latest / name).read_bytes()), name
 
     data = latest / "__1_0.distcp"  # written by rank 1, checked by rank 0 (the ranks share the checking)
     content = bytearray(data.read_bytes())

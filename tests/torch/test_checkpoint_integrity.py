@@ -10,6 +10,7 @@ import pickle
 import re
 import shutil
 import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -77,18 +78,18 @@ def overwrite_a_weight(checkpoint: Path, model, value: float = 1e30) -> Path:
 
 def test_every_file_has_its_checksum_in_the_manifest(two_saved):
     _, latest, _ = two_saved
-    recorded = json.loads((latest / "manifest.json").read_text())["xxh3_64"]
+    recorded = json.loads((latest / "manifest.json").read_text())["checksums"]
     files = sorted(p.name for p in latest.iterdir() if p.name != "manifest.json")
     assert sorted(recorded) == files == [".metadata", "__0_0.distcp"]
     for name, digest in recorded.items():
-        assert digest == xxhash.xxh3_64_hexdigest((latest / name).read_bytes()), name
+        assert digest == "xxh3_64:" + xxhash.xxh3_64_hexdigest((latest / name).read_bytes()), name
 
 
 def test_a_value_changed_in_place_is_refused_and_the_previous_checkpoint_offered(two_saved, tmp_path):
     root, latest, model = two_saved
     overwrite_a_weight(latest, model)
     expected = (rf"{re.escape(str(latest))} is damaged: its file __0_0\.distcp changed after it was saved \(checksum "
-                rf"[0-9a-f]{{16}}, the manifest recorded [0-9a-f]{{16}}\), so its values cannot be trusted\. Load the "
+                rf"xxh3_64:[0-9a-f]{{16}}, the manifest recorded xxh3_64:[0-9a-f]{{16}}\), so its values cannot be trusted\. Load the "
                 rf"previous checkpoint instead: {re.escape(str(root / 'step-000005'))}")
     fresh, opt = _trained(seed=7)
     before = {n: t.clone() for n, t in fresh.state_dict().items()}
@@ -100,6 +101,25 @@ def test_a_value_changed_in_place_is_refused_and_the_previous_checkpoint_offered
         export(root, tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
     assert partita.load(fresh, opt, root / "step-000005").step == 5  # the one offered loads
+
+
+def test_without_xxhash_checkpoints_get_crc32_and_are_checked_all_the_same(two_saved, tmp_path, monkeypatch):
+    """Machines that cannot install packages (the lent GPU machines) record crc32; a checkpoint that records
+    xxh3_64 is then refused with what to install, not loaded unverified."""
+    root, latest, _ = two_saved
+    monkeypatch.setattr(checksums, "xxhash", None)
+    monkeypatch.setattr(checksums, "ALGORITHM", "crc32")
+    with pytest.raises(partita.CheckpointError, match="no xxhash package to compute them: pip install xxhash"):
+        partita.load(_trained(seed=7)[0], None, latest)
+    model, opt = _trained()
+    saved = Path(partita.save(model, opt, tmp_path / "crc", step=1))
+    recorded = json.loads((saved / "manifest.json").read_text())["checksums"]
+    for name, digest in recorded.items():
+        assert digest == f"crc32:{zlib.crc32((saved / name).read_bytes()):08x}", name
+    overwrite_a_weight(saved, model)
+    with pytest.raises(partita.CheckpointError, match=r"its file __0_0\.distcp changed after it was saved \(checksum "
+                                                      r"crc32:[0-9a-f]{8}, the manifest recorded crc32:"):
+        partita.load(model, opt, saved)
 
 
 def test_partita_export_names_the_changed_file(two_saved, tmp_path, capsys):
@@ -134,7 +154,7 @@ def test_checkpoints_saved_without_checksums_still_load_and_say_so_once(two_save
     root, latest, model = two_saved
     for path in (latest, root / "step-000005"):
         manifest = json.loads((path / "manifest.json").read_text())
-        del manifest["xxh3_64"]
+        del manifest["checksums"]
         (path / "manifest.json").write_text(json.dumps(manifest))
     fresh, opt = _trained(seed=7)
     assert partita.load(fresh, opt, root).step == 6
@@ -244,7 +264,7 @@ def test_malformed_metadata_is_a_checkpoint_error_naming_the_file(two_saved, tmp
         export(latest, tmp_path / "out.pt")
 
 
-@pytest.mark.parametrize("field,value", [("saved_at", "yesterday"), ("xxh3_64", {"__0_0.distcp": 12345}),
+@pytest.mark.parametrize("field,value", [("saved_at", "yesterday"), ("checksums", {"__0_0.distcp": 12345}),
                                          ("tensors", {"emb.weight": {"shape": 50, "dtype": "float32"}}),
                                          ("step", None)])
 def test_malformed_manifest_is_a_checkpoint_error_naming_the_file(two_saved, field, value):
@@ -281,7 +301,7 @@ def test_a_refused_item_says_what_and_why_without_inviting_to_turn_the_protectio
     dcp.save(items, storage_writer=dcp.FileSystemWriter(forged), no_dist=True,
              planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
     manifest = json.loads((latest / "manifest.json").read_text())
-    del manifest["xxh3_64"]  # a forger who knows the format leaves no checksum to contradict the files
+    del manifest["checksums"]  # a forger who knows the format leaves no checksum to contradict the files
     (forged / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(partita.CheckpointError) as caught:
         partita.load(CASES["tied_embedding"].make(), None, forged)

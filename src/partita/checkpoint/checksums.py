@@ -4,16 +4,21 @@ A file's length shows a truncated file, not a value changed in place (a flipped 
 that loaded as if nothing were wrong. Each rank checksums the data files it wrote, rank 0 also `.metadata`; on
 load the ranks share the files to check, so that checking costs one more read of the checkpoint in all, not one
 per rank. The checksum is xxHash's XXH3-64: the standard library's zlib.crc32 (1.5-4 GB/s here) took 9-14% of a
-save of 4 ranks on 2 cores, XXH3 4-8 times less time, 2-5% (bench/checkpoint_time.py prints its share).
-Checkpoints saved before partita recorded checksums load unverified.
+save of 4 ranks on 2 cores, XXH3 4-8 times less time, 2-5% (bench/checkpoint_time.py prints its share). Where
+xxhash is not installed (machines that cannot install packages) partita writes crc32 instead: each recorded
+checksum names its algorithm. Checkpoints saved before partita recorded checksums load unverified.
 """
 
 from __future__ import annotations
 
 import logging
+import zlib
 from pathlib import Path
 
-import xxhash
+try:
+    import xxhash
+except ImportError:  # a machine that cannot install it: slower checksums, as good at finding damage
+    xxhash = None
 
 from partita.checkpoint.layout import previous_checkpoint
 from partita.checkpoint.manifest import MANIFEST, Manifest
@@ -23,17 +28,33 @@ _BLOCK = 4 << 20  # bytes read at a time: few system calls, and the block stays 
 
 log = logging.getLogger("partita")
 _said_unverified = False  # the note about checkpoints without checksums is given once per process
+ALGORITHM = "xxh3_64" if xxhash is not None else "crc32"  # what this process records
 
 
-def file_checksum(path: Path) -> str:
-    """XXH3-64 of the file's bytes, as 16 hex digits."""
-    digest = xxhash.xxh3_64()
+class _Crc32:
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def file_checksum(path: Path, algorithm: str | None = None) -> str:
+    """"<algorithm>:<hex digest>" of the file's bytes (by default this process's ALGORITHM)."""
+    algorithm = algorithm or ALGORITHM
+    if algorithm == "xxh3_64" and xxhash is None:
+        raise CheckpointError(f"{path.parent} records xxh3_64 checksums, and this Python has no xxhash package to "
+                              "compute them: pip install xxhash, or load it where xxhash is installed")
+    digest = xxhash.xxh3_64() if algorithm == "xxh3_64" else _Crc32()
     block = bytearray(_BLOCK)
     view = memoryview(block)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(block):
             digest.update(view[:n])
-    return digest.hexdigest()
+    return f"{algorithm}:{digest.hexdigest()}"
 
 
 def checksums_of(directory: Path, names) -> dict[str, str]:
@@ -50,15 +71,16 @@ def verify(directory: Path, manifest: Manifest, names) -> None:
     """Raise unless each named file of `directory` has the checksum its manifest recorded; the error names the
     first file that differs and the checkpoint saved before this one."""
     for name in sorted(names):
+        recorded = manifest.checksums[name]
         try:
-            found = file_checksum(directory / name)
+            found = file_checksum(directory / name, recorded.partition(":")[0])
         except OSError as e:
             raise CheckpointError(f"{directory} is damaged: its file {name} cannot be read ({e}). "
                                   f"{_previous(directory)}") from None
-        if found != manifest.xxh3_64[name]:
+        if found != recorded:
             raise CheckpointError(
                 f"{directory} is damaged: its file {name} changed after it was saved (checksum {found}, the manifest "
-                f"recorded {manifest.xxh3_64[name]}), so its values cannot be trusted. {_previous(directory)}")
+                f"recorded {recorded}), so its values cannot be trusted. {_previous(directory)}")
 
 
 def check(directory: Path, manifest: Manifest, data_files, *, rank: int = 0, world_size: int = 1) -> None:
@@ -66,14 +88,14 @@ def check(directory: Path, manifest: Manifest, data_files, *, rank: int = 0, wor
     its manifest, and that each of `data_files` (the files DCP's metadata names) has one. A checkpoint saved
     before partita recorded checksums loads unverified: rank 0 says so, once per process."""
     global _said_unverified
-    if not manifest.xxh3_64:
+    if not manifest.checksums:
         if rank == 0 and not _said_unverified:
             _said_unverified = True
             log.warning("%s has no checksums (saved by an earlier partita): its files are loaded unverified; "
                         "checkpoints saved from now on are checked", directory)
         return
-    verify(directory, manifest, share(manifest.xxh3_64, rank, world_size))
-    unrecorded = sorted(set(data_files) - set(manifest.xxh3_64))
+    verify(directory, manifest, share(manifest.checksums, rank, world_size))
+    unrecorded = sorted(set(data_files) - set(manifest.checksums))
     if unrecorded:
         raise CheckpointError(f"{directory} is damaged or was tampered with: its data file {unrecorded[0]} has no "
                               f"checksum in {MANIFEST}. {_previous(directory)}")

@@ -38,9 +38,10 @@ class Manifest:
     optimizer: str | None = None  # the optimizer's class name; None when saved without one
     param_groups: tuple[tuple[str, ...], ...] = ()  # parameter names of each optimizer param group
     extra: dict = field(default_factory=dict)
-    # file name -> XXH3-64 of its bytes (16 hex digits), for every file DCP wrote (.metadata included); empty in
-    # checkpoints saved before partita recorded them, which load unverified
-    xxh3_64: dict[str, str] = field(default_factory=dict)
+    # file name -> "<algorithm>:<hex digest>" of its bytes (xxh3_64, or crc32 where xxhash is not installed), for
+    # every file DCP wrote (.metadata included); empty in checkpoints saved before partita recorded them, which
+    # load unverified
+    checksums: dict[str, str] = field(default_factory=dict)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -67,7 +68,7 @@ class Manifest:
                                   "or was not written by partita.save; load another checkpoint.") from e
 
 
-_HEX64 = re.compile(r"[0-9a-f]{16}")
+_CHECKSUM = re.compile(r"(xxh3_64:[0-9a-f]{16}|crc32:[0-9a-f]{8})")
 
 
 def _is_int(value) -> bool:
@@ -94,7 +95,8 @@ _FIELD_TYPES = {
     "optimizer": lambda v: v is None or isinstance(v, str),
     "param_groups": lambda v: isinstance(v, list) and all(_is_list_of(str)(g) for g in v),
     "extra": lambda v: isinstance(v, dict),
-    "xxh3_64": lambda v: isinstance(v, dict) and all(isinstance(c, str) and _HEX64.fullmatch(c) for c in v.values()),
+    "checksums": lambda v: isinstance(v, dict) and all(isinstance(c, str) and _CHECKSUM.fullmatch(c)
+                                                       for c in v.values()),
 }
 
 

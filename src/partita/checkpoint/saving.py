@@ -161,7 +161,7 @@ def _finish(root: Path, tmp: Path, holding: Holding, optimizer, step: int, extra
         **({"plan_summary": plan_summary(plan)} if plan is not None else {}),
         optimizer=type(optimizer).__name__ if optimizer is not None else None,
         param_groups=optimizer_state.group_names(optimizer, names) if optimizer is not None else (), extra=extra,
-        xxh3_64=checksums | checksums_of(tmp, [METADATA]))
+        checksums=checksums | checksums_of(tmp, [METADATA]))
     write_manifest(tmp, manifest)
     layout.fsync_dir(tmp)
     final = root / layout.step_name(step)
