@@ -9,6 +9,7 @@ import pytest
 
 from launch.daemons import end
 from launch.harness import BIN, PYTHON, SCRIPT, check, env, losses, output
+from launch import slurm_cluster
 from launch.slurm_cluster import SlurmCluster
 
 pytestmark = pytest.mark.slow
@@ -84,6 +85,8 @@ def test_partita_slurm_refuses_a_partition_the_cluster_lacks(slurm, tmp_path):
 
 def test_stopping_the_test_cluster_ends_the_jobs_that_a_failed_test_left():
     """slurmstepd and a job's processes outlive the daemons: stop() must cancel the job and wait for them."""
+    if why := slurm_cluster.missing():
+        pytest.skip(why)
     cluster = SlurmCluster()  # a cluster of this test's own: the session's one serves the other tests
     try:
         cluster.start()
