@@ -6,6 +6,7 @@ checks its own numbers and exits 3 if they are wrong.
 
 import copy
 import os
+import pickle
 import sys
 
 import torch
@@ -46,6 +47,51 @@ class FailsOnRank1(nn.Module):
         if partita.get_rank() == 1:
             raise ValueError("a record on rank 1 is corrupt")
         return self.inner(x)
+
+
+class RunsShell:
+    """Unpickling this runs a shell command: what a malicious checkpoint would carry."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def damage(kind: str, checkpoint: str) -> None:
+    data = os.path.join(checkpoint, "__0_0.distcp")
+    content = bytearray(open(data, "rb").read())
+    if kind == "value_changed":  # one byte in the middle: the file keeps its length
+        content[len(content) // 2] ^= 0xFF
+    elif kind == "truncated":
+        content = content[:len(content) // 3]
+    if kind == "crafted_metadata":
+        with open(os.path.join(checkpoint, ".metadata"), "wb") as f:
+            pickle.dump(RunsShell(f"touch {os.path.join(DIR, 'pwned')}"), f, protocol=4)
+    else:
+        open(data, "wb").write(bytes(content))
+
+
+def load_damaged_checkpoint(kind: str, rank: int) -> None:
+    """Two checkpoints saved by both ranks; rank 0 damages the newer one (or the loader is another model), then
+    every rank loads."""
+    net = mlp()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    model = partita.parallelize(net, opt, loss_fn=nn.MSELoss(), stages=1)
+    root = os.path.join(DIR, "ckpt")
+    for step in (1, 2):
+        model(*batch(8, seed=step)).backward()
+        opt.step()
+        partita.save(model, opt, root, step=step)
+    if rank == 0 and kind != "of_another_model":
+        damage(kind, os.path.join(root, "step-000002"))
+    partita.barrier()
+    if kind == "of_another_model":
+        other = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 1))
+        model = partita.parallelize(other, torch.optim.Adam(other.parameters()), loss_fn=nn.MSELoss(), stages=1)
+        model(*batch(8))
+    partita.load(model, opt if kind != "of_another_model" else None, root)
 
 
 def main() -> None:
@@ -100,6 +146,8 @@ def main() -> None:
         partita.barrier()
         model = partita.parallelize(mlp(), loss_fn=mse, plan=path)
         model(*batch(8))
+    elif CASE.startswith("checkpoint_"):
+        load_damaged_checkpoint(CASE[len("checkpoint_"):], rank)
     elif CASE == "train":  # a short job that must end well (two of them run at once)
         net = mlp()
         opt = torch.optim.SGD(net.parameters(), lr=0.1)

@@ -43,6 +43,10 @@ CATALOGUE = [
     Case("uncapturable", 1, "CaptureError: "),
     Case("corrupt_plan", 1, "PlanError: "),
     Case("plan_of_another_model", 1, "PlanError: the plan was made for another model"),
+    Case("checkpoint_value_changed", 1, "step-000002 is damaged: its file __0_0.distcp changed after it was saved"),
+    Case("checkpoint_truncated", 1, "CheckpointError: "),
+    Case("checkpoint_crafted_metadata", 1, "CheckpointError: "),
+    Case("checkpoint_of_another_model", 1, "CheckpointError: "),
 ]
 
 
@@ -68,6 +72,11 @@ def test_catalogue(case, tmp_path):
         assert case.message in rank_output(tmp_path, rank), f"rank {rank}\n{rank_output(tmp_path, rank)}"
     if case.exit:
         assert "partita run: rank" in proc.stderr and "failed with exit code 1" in proc.stderr, output(proc)
+    if case.name.startswith("checkpoint_"):  # refused, not lost or replaced, and no code ran
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")) == \
+            ["step-000001", "step-000002"]
+        assert all((tmp_path / "ckpt" / s / "manifest.json").exists() for s in ("step-000001", "step-000002"))
+        assert not (tmp_path / "pwned").exists()
 
 
 def test_capture_failing_on_one_rank_names_that_rank_and_its_error(tmp_path):
