@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from partita import settings
 from partita.capture.blocks import model_graph
-from partita.capture.dtypes import InputDtype, check_call, input_dtypes
+from partita.capture.dtypes import InputDtype, dtype_problem, input_dtypes
 from partita.capture.export import CallSignature, CapturedGraph, capture, flatten_call, misplaced
 from partita.capture.split import carry_stages, check_ownership, units
 from partita.errors import BatchError, PartitaError, PlanError
@@ -114,8 +114,6 @@ class ParallelModule(nn.Module):
         rows = self._agree_call(tensors, target, signature, problem, world.device)
         if self._plan is None:
             self._setup(tuple(args), kwargs, tensors, signature, rows)
-        else:  # the same on every rank: they agreed on the inputs' dtypes
-            check_call(self._input_dtypes, tensors)
         if self._ddp is not None:
             return self._data_parallel_call(tuple(args), kwargs, target, rows)
         engine = self._engine(tuple(args), kwargs, signature)
@@ -141,17 +139,20 @@ class ParallelModule(nn.Module):
                     problem: BatchError | None, device: torch.device) -> tuple[int, ...]:
         """Every rank's local rows, once all ranks agree on this call (one small collective): a problem found on
         one rank alone (an input on the wrong device, say) is raised on every rank, so that no rank is left
-        waiting in a collective for the one that stopped; so is a rank that stopped calling."""
+        waiting in a collective for the one that stopped; so is a rank that stopped calling. Under data
+        parallelism the ranks' sizes beyond the batch may differ (each pads its own sequences, say), as with
+        DDP; a pipeline's stages need the same shapes everywhere."""
         every = tensors + ([target] if target is not None else [])
-        problem = problem or misplaced(every, device)
+        problem = problem or misplaced(every, device) or dtype_problem(self._input_dtypes, tensors)
         rows = 0
         try:
             rows = local_rows(every)
         except BatchError as e:
             problem = problem or e
-        shapes = [(tuple(t.shape[1:]), str(t.dtype), t.requires_grad) for t in tensors]
+        shape = (lambda t: t.dim()) if self._ddp is not None else (lambda t: tuple(t.shape[1:]))
+        shapes = [(shape(t), str(t.dtype), t.requires_grad) for t in tensors]
         if target is not None:
-            shapes.append(("target", tuple(target.shape[1:]), str(target.dtype)))
+            shapes.append(("target", shape(target), str(target.dtype)))
         structure = signature.key[:2] if signature is not None else None
         mode = f"training={self.module.training} grad={torch.is_grad_enabled()}"
         return agreement.agree_call(f"{structure} {shapes} {mode}", rows, problem)

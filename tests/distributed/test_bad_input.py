@@ -43,6 +43,11 @@ def test_ranks_disagree_on_batch_size_in_a_pipeline(pools):
     assert "DistributedSampler" in msg and "(stages=1) weighs batches of different sizes" in msg
 
 
+def test_sequence_lengths_may_differ_between_ranks_under_data_parallel(pools):
+    first, second = pools.run(2, "support.cases:bad_input", "sequence_lengths_differ")
+    assert first["error"] is None and first["loss"] == second["loss"]
+
+
 def test_ranks_disagree_on_features(pools):
     msg = errors(pools.run(2, "support.cases:bad_input", "features_disagree"), "BatchError")
     assert "ranks disagree on their inputs" in msg and "(32,)" in msg and "(16,)" in msg

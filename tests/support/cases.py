@@ -400,9 +400,17 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
             pm(x, y).backward()
             pm(x[:4] if rank == 1 else x, y[:4] if rank == 1 else y)
         elif scenario == "features_disagree":
-            pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=1)
+            pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2)
             pm(x, y).backward()
             pm(x[:, :16] if rank == 1 else x, y)
+        elif scenario == "sequence_lengths_differ":  # fine under data parallelism, as with DDP
+            seq = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 32))
+            pm = partita.parallelize(seq, loss_fn=torch.nn.MSELoss(), stages=1)
+            pm(torch.randn(4, 5, 32), torch.randn(4, 5, 32)).backward()
+            length = 5 if rank == 0 else 7
+            loss = pm(torch.randn(4, length, 32), torch.randn(4, length, 32))
+            loss.backward()
+            return {"error": None, "loss": float(loss)}
         elif scenario in ("float64", "float64_later"):
             pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=world if "later" in scenario else 1)
             if "later" in scenario:

@@ -100,8 +100,12 @@ def check_input(rule: InputDtype, dtype: torch.dtype, shape: tuple | None) -> No
         f"(x{convert}) or the model (model.to({dtype})) so that they match.")
 
 
-def check_call(rules: list[InputDtype], tensors: list[torch.Tensor]) -> None:
-    """Raise BatchError for the first input of this call whose dtype is not what the model computes in."""
-    for rule in rules:
-        if rule.index < len(tensors):
-            check_input(rule, tensors[rule.index].dtype, tuple(tensors[rule.index].shape))
+def dtype_problem(rules: list[InputDtype], tensors: list[torch.Tensor]) -> BatchError | None:
+    """The error for the first input of this call whose dtype is not what the model computes it in."""
+    try:
+        for rule in rules:
+            if rule.index < len(tensors):
+                check_input(rule, tensors[rule.index].dtype, tuple(tensors[rule.index].shape))
+    except BatchError as e:
+        return e
+    return None

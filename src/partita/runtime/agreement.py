@@ -2,11 +2,12 @@
 
 A collective waits for every rank. A rank that raised, passes inputs of another structure, or stopped
 calling the model would leave the others waiting until the process group times out (300 s by default),
-ending in gloo's bare "Timed out waiting". So every call of a parallelized model starts with one all-gather
-of four numbers per rank: what it is doing (calling, leaving, failing), how many calls it made before, its
-local rows and a digest of its call's structure. `partita.shutdown()` takes part too, once this process
-parallelized a model: a rank that stops early is found at the others' next call. Anything but agreement
-leads to one more exchange, of texts, and every rank raises the same error naming the rank and the cause.
+ending in gloo's bare "Timed out waiting". So every call of a parallelized model starts with one small
+all-reduce that tells whether every rank says the same: what it is doing (calling, leaving, failing), its local
+rows and its call's structure. `partita.shutdown()` takes part too, once this process parallelized a model: a
+rank that stops early is found at the others' next call. Anything but agreement leads to one more exchange, of
+every rank's whole statement (with how many calls it made), and every rank raises the same error naming the
+rank and the cause, or, for rows that differ, gets every rank's rows.
 """
 
 from __future__ import annotations
@@ -60,18 +61,19 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
-def _exchange(state: State, rows: int, text: str) -> list[_Said] | None:
-    """Every rank's statement; None when every rank is calling with the same text (the common case, one
-    all-gather of 32 bytes per rank)."""
-    mine = torch.tensor([int(state), _calls, rows, _digest(text)], dtype=torch.int64)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    numbers = [[int(x) for x in t] for t in every]
-    if all(n[0] == state != State.FAILING and n[3] == numbers[0][3] for n in numbers):
-        return [_Said(state, n[1], n[2], "") for n in numbers]
-    texts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(texts, text)
-    return [_Said(State(n[0]), n[1], n[2], t) for n, t in zip(numbers, texts)]
+def _exchange(state: State, rows: int, text: str) -> list[_Said]:
+    """Every rank's statement. The common case (every rank says the same) costs one all-reduce of two int64s:
+    the largest and the negated smallest digest of (state, rows, text) are equal only if every rank's is the
+    same. (gloo's all-gather of four int64s took 4 ms on 4 ranks sharing 2 cores, this 1.1 ms.) Otherwise one
+    more exchange, of every rank's whole statement."""
+    word = _digest(f"{int(state)} {rows} {text}")
+    extremes = torch.tensor([word, -word], dtype=torch.int64)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    if int(extremes[0]) == -int(extremes[1]):
+        return [_Said(state, -1, rows, text)] * dist.get_world_size()
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (int(state), _calls, rows, text))
+    return [_Said(State(s), calls, r, t) for s, calls, r, t in every]
 
 
 def _failure(said: list[_Said]) -> PartitaError | None:
