@@ -169,3 +169,15 @@ def failures(scenario: str, root: str) -> dict:
     except partita.CheckpointError as e:
         return {"error": type(e).__name__, "message": str(e)}
     return {"error": None}
+
+
+def trained(seed: int = 0):
+    """A tied embedding / LM head after one Adam step."""
+    case = CASES["tied_embedding"]
+    torch.manual_seed(seed)
+    model = case.make()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    args, _, target = case.batch(4, torch.Generator().manual_seed(1))
+    case.loss_fn(model(*args), target).backward()
+    opt.step()
+    return model, opt

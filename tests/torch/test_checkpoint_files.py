@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 import partita
 from partita.checkpoint import export, latest_checkpoint
 from partita.cli.main import main as cli
+from support.checkpoint_cases import trained
 from support.zoo import CASES, TiedEmbedding
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,21 +29,9 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
 
 
-def _trained(seed: int = 0):
-    """A tied embedding / LM head after one Adam step."""
-    case = CASES["tied_embedding"]
-    torch.manual_seed(seed)
-    model = case.make()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    args, _, target = case.batch(4, torch.Generator().manual_seed(1))
-    case.loss_fn(model(*args), target).backward()
-    opt.step()
-    return model, opt
-
-
 @pytest.fixture
 def saved(tmp_path):
-    model, opt = _trained()
+    model, opt = trained()
     path = partita.save(model, opt, tmp_path, step=5, extra={"batch": 40})
     return tmp_path, Path(path), model
 
@@ -78,7 +67,7 @@ def test_export_cli_names_the_problem(tmp_path, capsys):
 
 def test_load_round_trip_in_one_process(saved):
     root, path, model = saved
-    fresh, opt = _trained(seed=7)
+    fresh, opt = trained(seed=7)
     info = partita.load(fresh, opt, root)
     assert (info.path, info.step, info.extra, info.world_size, info.plan) == (str(path), 5, {"batch": 40}, 1, None)
     for name, value in model.state_dict().items():
@@ -89,7 +78,7 @@ def test_malicious_metadata_is_refused_without_running_it(saved, tmp_path):
     root, path, _ = saved
     marker = tmp_path / "pwned"
     (path / ".metadata").write_bytes(pickle.dumps(RunsShell(f"touch {marker}"), protocol=4))
-    fresh, opt = _trained(seed=7)
+    fresh, opt = trained(seed=7)
     with pytest.raises(partita.CheckpointError, match=r"refused to load .*\.metadata.*posix\.system"):
         partita.load(fresh, opt, root)
     with pytest.raises(partita.CheckpointError, match="refused"):
@@ -156,7 +145,7 @@ def _garbage_manifest(path: Path) -> None:
 def test_damaged_checkpoint_gets_a_clear_error(saved, damage, message):
     root, path, _ = saved
     damage(path)
-    fresh, opt = _trained(seed=7)
+    fresh, opt = trained(seed=7)
     with pytest.raises(partita.CheckpointError, match=message):
         partita.load(fresh, opt, path)
 
@@ -183,7 +172,7 @@ def test_foreign_checkpoint_gets_a_clear_error(saved, make, optimizer, message):
 ])
 def test_no_checkpoint_there(saved, make_path, message):
     root, _, _ = saved
-    model, opt = _trained()
+    model, opt = trained()
     with pytest.raises(partita.CheckpointError, match=message):
         partita.load(model, opt, make_path(root))
 

@@ -22,22 +22,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 import partita
 from partita.checkpoint import checksums, export
 from partita.cli.main import main as cli
+from support.checkpoint_cases import trained
 from support.zoo import CASES
 
 ADVICE = ("weights_only` set to `False", "will likely succeed", "can still be loaded", "add_safe_globals",
           "trusted source", "trust the source")
-
-
-def _trained(seed: int = 0):
-    """A tied embedding / LM head after one Adam step."""
-    case = CASES["tied_embedding"]
-    torch.manual_seed(seed)
-    model = case.make()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    args, _, target = case.batch(4, torch.Generator().manual_seed(1))
-    case.loss_fn(model(*args), target).backward()
-    opt.step()
-    return model, opt
 
 
 @pytest.fixture
@@ -56,7 +45,7 @@ def partita_log(caplog, monkeypatch):
 @pytest.fixture
 def two_saved(tmp_path):
     """Checkpoints of steps 5 and 6 under tmp_path (step 6 the latest), and the model as saved at step 6."""
-    model, opt = _trained()
+    model, opt = trained()
     partita.save(model, opt, tmp_path, step=5)
     latest = Path(partita.save(model, opt, tmp_path, step=6))
     return tmp_path, latest, model
@@ -91,7 +80,7 @@ def test_a_value_changed_in_place_is_refused_and_the_previous_checkpoint_offered
     expected = (rf"{re.escape(str(latest))} is damaged: its file __0_0\.distcp changed after it was saved \(checksum "
                 rf"xxh3_64:[0-9a-f]{{16}}, the manifest recorded xxh3_64:[0-9a-f]{{16}}\), so its values cannot be trusted\. Load the "
                 rf"previous checkpoint instead: {re.escape(str(root / 'step-000005'))}")
-    fresh, opt = _trained(seed=7)
+    fresh, opt = trained(seed=7)
     before = {n: t.clone() for n, t in fresh.state_dict().items()}
     with pytest.raises(partita.CheckpointError, match=expected):
         partita.load(fresh, opt, root)
@@ -110,8 +99,8 @@ def test_without_xxhash_checkpoints_get_crc32_and_are_checked_all_the_same(two_s
     monkeypatch.setattr(checksums, "xxhash", None)
     monkeypatch.setattr(checksums, "ALGORITHM", "crc32")
     with pytest.raises(partita.CheckpointError, match="no xxhash package to compute them: pip install xxhash"):
-        partita.load(_trained(seed=7)[0], None, latest)
-    model, opt = _trained()
+        partita.load(trained(seed=7)[0], None, latest)
+    model, opt = trained()
     saved = Path(partita.save(model, opt, tmp_path / "crc", step=1))
     recorded = json.loads((saved / "manifest.json").read_text())["checksums"]
     for name, digest in recorded.items():
@@ -130,7 +119,7 @@ def test_partita_export_names_the_changed_file(two_saved, tmp_path, capsys):
 
 
 def test_the_only_checkpoint_changed_says_there_is_no_earlier_one(tmp_path):
-    model, opt = _trained()
+    model, opt = trained()
     path = Path(partita.save(model, opt, tmp_path, step=1))
     overwrite_a_weight(path, model)
     with pytest.raises(partita.CheckpointError, match=rf"cannot be trusted\. There is no earlier checkpoint under "
@@ -147,7 +136,7 @@ def test_a_changed_metadata_file_is_refused(two_saved):
     shutil.copy(latest / "__0_0.distcp", latest / "__0_1.distcp")
     metadata.write_bytes(bytes(content))
     with pytest.raises(partita.CheckpointError, match=r"its file \.metadata changed after it was saved"):
-        partita.load(_trained()[0], None, latest)
+        partita.load(trained()[0], None, latest)
 
 
 def test_checkpoints_saved_without_checksums_still_load_and_say_so_once(two_saved, partita_log):
@@ -156,7 +145,7 @@ def test_checkpoints_saved_without_checksums_still_load_and_say_so_once(two_save
         manifest = json.loads((path / "manifest.json").read_text())
         del manifest["checksums"]
         (path / "manifest.json").write_text(json.dumps(manifest))
-    fresh, opt = _trained(seed=7)
+    fresh, opt = trained(seed=7)
     assert partita.load(fresh, opt, root).step == 6
     assert partita.load(fresh, opt, root / "step-000005").step == 5
     unverified = [r.getMessage() for r in partita_log.records if "checksum" in r.getMessage()]
@@ -167,7 +156,7 @@ def test_checkpoints_saved_without_checksums_still_load_and_say_so_once(two_save
 
 def test_elastic_resumes_from_the_newest_checkpoint_that_verifies_and_keeps_the_other(tmp_path, partita_log):
     """In one process (the multi-process job is in tests/launch/test_elastic_fallback.py)."""
-    model, opt = _trained()
+    model, opt = trained()
     for step in (2, 4, 6):
         partita.save(model, opt, tmp_path, step=step)
     damaged = overwrite_a_weight(tmp_path / "step-000006", model).read_bytes()
@@ -186,7 +175,7 @@ def test_elastic_resumes_from_the_newest_checkpoint_that_verifies_and_keeps_the_
 
 
 def test_elastic_with_no_checkpoint_that_loads_changes_nothing(tmp_path):
-    model, opt = _trained()
+    model, opt = trained()
     for step in (2, 4):
         overwrite_a_weight(Path(partita.save(model, opt, tmp_path, step=step)), model)
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -257,7 +246,7 @@ def test_malformed_metadata_is_a_checkpoint_error_naming_the_file(two_saved, tmp
     change(metadata)
     (latest / ".metadata").write_bytes(pickle.dumps(metadata, protocol=4))
     expected = rf"{re.escape(str(latest / '.metadata'))} is malformed: .*{detail}"
-    fresh, opt = _trained(seed=7)
+    fresh, opt = trained(seed=7)
     with pytest.raises(partita.CheckpointError, match=expected):
         partita.load(fresh, opt, latest)
     with pytest.raises(partita.CheckpointError, match=expected):
@@ -274,7 +263,7 @@ def test_malformed_manifest_is_a_checkpoint_error_naming_the_file(two_saved, fie
     (latest / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(partita.CheckpointError, match=rf"{re.escape(str(latest / 'manifest.json'))} is not a "
                                                       rf"readable partita manifest \(.*{field}"):
-        partita.load(_trained()[0], None, latest)
+        partita.load(trained()[0], None, latest)
     (root / "latest").unlink()
     assert partita.latest_checkpoint(root) == str(root / "step-000005")  # a malformed manifest is never the latest
 
