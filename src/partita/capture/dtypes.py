@@ -76,36 +76,35 @@ def input_dtypes(cap: CapturedGraph) -> list[InputDtype]:
     for index, name in enumerate(cap.user_inputs):
         node = cap.node(name)
         dtype = _floating(node)
-        if dtype is None:
-            continue
-        met = _meets(node, dtype)
+        met = _meets(node, dtype) if dtype is not None else None
         if met is None:
             continue
         op, other = met
         rule = InputDtype(index, other, str(_op_name(op)), _module_of(op))
-        check_input(rule, dtype, tuple(cap.examples[index].shape) if index < len(cap.examples) else None)
+        shape = tuple(cap.examples[index].shape) if index < len(cap.examples) else None
+        if (error := _mismatch(rule, dtype, shape)) is not None:
+            raise error
         rules.append(rule)
     return rules
 
 
-def check_input(rule: InputDtype, dtype: torch.dtype, shape: tuple | None) -> None:
+def dtype_problem(rules: list[InputDtype], tensors: list[torch.Tensor]) -> BatchError | None:
+    """The error for the first input of this call whose dtype is not what the model computes it in."""
+    for rule in rules:
+        if rule.index < len(tensors):
+            t = tensors[rule.index]
+            if (error := _mismatch(rule, t.dtype, tuple(t.shape))) is not None:
+                return error
+    return None
+
+
+def _mismatch(rule: InputDtype, dtype: torch.dtype, shape: tuple | None) -> BatchError | None:
     if dtype == rule.dtype:
-        return
+        return None
     what = f"input tensor #{rule.index}" + (f" (shape {shape})" if shape is not None else "")
     convert = {torch.float32: ".float()", torch.float64: ".double()", torch.float16: ".half()",
                torch.bfloat16: ".bfloat16()"}.get(rule.dtype, f".to({rule.dtype})")
-    raise BatchError(
+    return BatchError(
         f"{what} is {dtype}, but the model computes it in {rule.dtype}: aten.{rule.op} in {rule.module} takes "
         f"it with a {rule.dtype} operand, and torch does not mix dtypes there. Convert the input "
         f"(x{convert}) or the model (model.to({dtype})) so that they match.")
-
-
-def dtype_problem(rules: list[InputDtype], tensors: list[torch.Tensor]) -> BatchError | None:
-    """The error for the first input of this call whose dtype is not what the model computes it in."""
-    try:
-        for rule in rules:
-            if rule.index < len(tensors):
-                check_input(rule, tensors[rule.index].dtype, tuple(tensors[rule.index].shape))
-    except BatchError as e:
-        return e
-    return None

@@ -130,8 +130,8 @@ def agree(description: str, what: str, problem: BaseException | None = None, row
     return tuple(s.rows for s in said)
 
 
-def _as_partita(problem: BaseException) -> BaseException:
-    return problem if isinstance(problem, PartitaError) else PartitaError(_problem_text(problem).partition(": ")[2])
+def _as_partita(problem: BaseException) -> PartitaError:
+    return problem if isinstance(problem, PartitaError) else PartitaError(f"{type(problem).__name__}: {problem}")
 
 
 def agree_call(description: str, rows: int, problem: BaseException | None = None) -> tuple[int, ...]:
