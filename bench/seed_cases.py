@@ -22,7 +22,7 @@ def main() -> None:
     from partita.capture.meta import meta_graph
     from partita.cluster import parse_cluster
     from partita.graph.profile import roofline_profile
-    from partita.plan import choose_plan
+    from partita.plan import Constraints, choose_plan
 
     os.environ.setdefault("PARTITA_CACHE_DIR", tempfile.mkdtemp())
     for factory, devices, batch, inp in CASES:
@@ -37,9 +37,9 @@ def main() -> None:
             for reason in plan.reasons:
                 print(f"seed_cases:     {reason}")
             if factory == "tutorial_2p5b":  # RaNNC's choice, for comparison
-                rannc = choose_plan(graph, profile, cluster, global_batch=batch, optimizer_factor=factor, stages=2,
-                                    replicas=4)
-                print(f"seed_cases:     RaNNC's 2 stages x 4 replicas ({rannc.schedule}, {rannc.num_microbatches} "
+                rannc = choose_plan(graph, profile, cluster, global_batch=batch, optimizer_factor=factor,
+                                    constraints=Constraints(stages=2, replicas=4))
+                print(f"seed_cases:     RaNNC's 2 stages x 4 replicas ({rannc.schedule}, {rannc.micro_batches} "
                       f"micro-batches) would take {rannc.estimate.step_s * 1e3:.1f} ms/step "
                       f"({100 * (rannc.estimate.step_s / e.step_s - 1):+.0f}%): its gradient all-reduce "
                       f"({rannc.stages[0].allreduce_s * 1e3:.1f} ms) and optimizer step on 1.25 B parameters per "

@@ -29,14 +29,14 @@ def best_of(fn, repeats: int) -> float:
 
 def main() -> None:
     print(f"{'schedule':<16} {'S':>3} {'P':>3} {'M':>4} {'actions':>8} {'orders':>9} {'simulate':>9}  target")
-    for schedule, num_stages, pipeline_size, num_microbatches, target_s in CASES:
+    for schedule, num_stages, pipeline_size, micro_batches, target_s in CASES:
         costs = StageCosts.uniform(num_stages, 1e-3, 2e-3, send_s=1e-4)
-        order = orders(schedule, num_stages, pipeline_size, num_microbatches)
-        repeats = 200 if num_microbatches < 64 else 10
-        orders_s = best_of(lambda: orders(schedule, num_stages, pipeline_size, num_microbatches), repeats)
+        order = orders(schedule, num_stages, pipeline_size, micro_batches)
+        repeats = 200 if micro_batches < 64 else 10
+        orders_s = best_of(lambda: orders(schedule, num_stages, pipeline_size, micro_batches), repeats)
         simulate_s = best_of(lambda: simulate(order, costs), repeats)
         verdict = "" if target_s is None else f"< {target_s * 1e3:g} ms: {'ok' if simulate_s < target_s else 'MISSED'}"
-        print(f"{schedule:<16} {num_stages:>3} {pipeline_size:>3} {num_microbatches:>4} "
+        print(f"{schedule:<16} {num_stages:>3} {pipeline_size:>3} {micro_batches:>4} "
               f"{sum(map(len, order)):>8} {orders_s * 1e3:>7.2f}ms {simulate_s * 1e3:>7.2f}ms  {verdict}")
 
 

@@ -21,7 +21,7 @@ _LAZY = {
     "barrier": "partita.launch.env", "shutdown": "partita.launch.env",
     "save": "partita.checkpoint.saving", "load": "partita.checkpoint.loading",
     "latest_checkpoint": "partita.checkpoint.layout",
-    "elastic": "partita.morph.loop", "Elastic": "partita.morph.loop", "RESUME_EXIT_CODE": "partita.morph.stop",
+    "elastic": "partita.elasticity.loop", "Elastic": "partita.elasticity.loop", "RESUME_EXIT_CODE": "partita.elasticity.stop",
 }
 
 __all__ = sorted(["BatchError", "CaptureError", "CheckpointError", "LaunchError", "PartitaError", "Plan", "PlanError",

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from partita import settings
-from partita.capture.blocks import model_graph
+from partita.capture.model_graph import model_graph
 from partita.capture.dtypes import InputDtype, dtype_problem, input_dtypes
 from partita.capture.export import CallSignature, CapturedGraph, capture, flatten_call, misplaced
 from partita.capture.split import carry_stages, check_ownership, units
@@ -27,12 +27,13 @@ from partita.graph import ModelGraph
 from partita.launch import env
 from partita.cluster import Cluster
 from partita.graph.profile import roofline_profile
-from partita.plan import choose_plan
+from partita.plan import Constraints, choose_plan
+from partita.plan.choose import user_loss_problem
 from partita.plan.plan import Plan
 from partita.profile import device_spec, measure
 from partita.runtime import agreement
 from partita.runtime.batch import global_loss, local_rows
-from partita.runtime.engine import Engine, Place
+from partita.runtime.pipelined import Engine, Place
 from partita.runtime.grads import GradSync
 from partita.runtime.groups import gradient_groups, param_ranks, pipeline_groups, stage_groups
 from partita.runtime.optim import optimizer_state_factor, patch_optimizer
@@ -75,13 +76,14 @@ def _reduction(loss_fn) -> str:
 class ParallelModule(nn.Module):
     """The user's model, trained across processes. Call it like the model; see `parallelize`."""
 
-    def __init__(self, model: nn.Module, optimizer, loss_fn, overrides: dict, plan: Plan | str | Path | None):
+    def __init__(self, model: nn.Module, optimizer, loss_fn, constraints: Constraints,
+                 plan: Plan | str | Path | None):
         super().__init__()
         self.module = model
         self._optimizer = optimizer
         self._loss_fn = loss_fn
         self._reduction = _reduction(loss_fn) if loss_fn is not None else "mean"
-        self._overrides = overrides
+        self._constraints = constraints
         self._given_plan = plan
         self._plan: Plan | None = None
         self._graph: ModelGraph | None = None
@@ -163,9 +165,11 @@ class ParallelModule(nn.Module):
         adopted. The first call still checks that it fits this model and world."""
         if self._plan is not None or self._given_plan is not None:
             return False
-        chosen = {"stages": plan.num_stages, "replicas": plan.num_replicas, "micro_batches": plan.num_microbatches,
+        chosen = {"stages": plan.num_stages, "replicas": plan.num_replicas, "micro_batches": plan.micro_batches,
                   "schedule": plan.schedule}
-        if any(value is not None and chosen[key] != value for key, value in self._overrides.items()):
+        if any(chosen.get(key, value) != value for key, value in self._constraints.choices().items()):
+            return False
+        if not self._constraints.allows_schedule(plan.schedule):
             return False
         self._given_plan = plan
         return True
@@ -249,7 +253,7 @@ class ParallelModule(nn.Module):
         if world.rank == 0:
             env.log_to_stderr()
             log.info("%s", plan.explain())
-        if plan.num_stages == 1 and plan.num_microbatches == 1:
+        if plan.num_stages == 1 and plan.micro_batches == 1:
             self._ddp = self._make_ddp(planned)
             self._settle_ddp_buckets(args, kwargs)
         else:
@@ -315,9 +319,11 @@ class ParallelModule(nn.Module):
                     f"{self._graph.fingerprint}, {self._graph.num_blocks} blocks). Make a new plan for this "
                     "model, or drop plan=... to let partita plan."
                 )
+            if not self._constraints.allows_schedule(plan.schedule):
+                raise PlanError(f"the plan given runs {plan.schedule}. {user_loss_problem(plan.schedule)}")
             return plan.validate(world.world_size)
         return choose_plan(self._graph, profile, cluster, global_batch=global_batch,
-                           optimizer_factor=optimizer_state_factor(self._optimizer), **self._overrides)
+                           optimizer_factor=optimizer_state_factor(self._optimizer), constraints=self._constraints)
 
     def _buffer_owners(self, cap: CapturedGraph, plan: Plan) -> dict[str, int]:
         """Buffers belong to the first rank of the first stage whose operations use them."""
@@ -466,5 +472,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize needs an nn.Module, got {type(model).__name__}")
     agreement.join()
-    overrides = {"stages": stages, "replicas": replicas, "micro_batches": micro_batches, "schedule": schedule}
-    return ParallelModule(model, optimizer, loss_fn, overrides, plan)
+    constraints = Constraints(stages=stages, replicas=replicas, micro_batches=micro_batches, schedule=schedule,
+                              user_loss=loss_fn is None)
+    if schedule is not None and not constraints.allows_schedule(schedule):
+        raise PlanError(user_loss_problem(schedule))
+    return ParallelModule(model, optimizer, loss_fn, constraints, plan)

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from partita.plan.plan import Plan
+from partita.schedule.catalog import FORWARDS_FIRST_SCHEDULES
 
 TRAINED = ("loss", "grad", "param", "optimizer", "state_dict")  # what every training run compares
 
@@ -46,6 +47,11 @@ MATRIX = [  # world, stages, schedule, micro-batches: more than one wherever the
 @pytest.mark.parametrize("style", ["loss_fn", "outputs"])
 @pytest.mark.parametrize("world,stages,schedule,micro_batches", MATRIX)
 def test_mlp_matrix(pools, world, stages, schedule, micro_batches, style, optimizer):
+    if style == "outputs" and schedule not in (None, *FORWARDS_FIRST_SCHEDULES):
+        # the user's loss comes after every forward: a schedule that interleaves backwards cannot be what runs
+        for r in pools.run(world, "support.cases:bad_input", "schedule_needs_loss_fn"):
+            assert r["error"] == "PlanError" and "Pass loss_fn=... to parallelize to use 1F1B" in r["message"], r
+        return
     r = fidelity(pools, world, "mlp", *returned(style), style=style, optimizer=optimizer, stages=stages,
                  schedule=schedule, micro_batches=micro_batches)
     stages_, replicas, micro_batches_, schedule_ = r["plan"]
@@ -114,12 +120,12 @@ def test_gradient_accumulation(pools, style):
     fidelity(pools, 4, "mlp", *returned(style), stages=2, replicas=2, style=style, accumulate=2)
 
 
-@pytest.mark.parametrize("style", ["loss_fn", "outputs"])
-def test_no_grad_and_eval_run_forward_only_under_the_same_plan(pools, style):
+@pytest.mark.parametrize("style,schedule", [("loss_fn", "1F1B"), ("outputs", "GPipe")])
+def test_no_grad_and_eval_run_forward_only_under_the_same_plan(pools, style, schedule):
     """torch.no_grad() in train mode, then eval(), each at another batch size than training: outputs (or the
     loss) equal the reference's, nothing requires grad, and the plan object stays the one in use."""
     fidelity(pools, 2, "mlp", "no_grad", "eval", *returned(style), style=style, steps=1, stages=2,
-             micro_batches=2, schedule="1F1B", no_grad_batch=4, eval_batch=2)
+             micro_batches=2, schedule=schedule, no_grad_batch=4, eval_batch=2)
 
 
 @pytest.mark.parametrize("lr_schedule,optimizer", [("StepLR", "sgd"), ("LambdaLR", "adam")])
@@ -159,7 +165,7 @@ def test_plan_given_as_an_object(pools):
     no planner call made."""
     made = Plan.from_json(pools.run(2, "support.cases:fidelity", "mlp", steps=1, stages=2, micro_batches=2,
                                     schedule="GPipe")[0]["plan_json"])
-    given = dataclasses.replace(made, num_microbatches=4)
+    given = dataclasses.replace(made, micro_batches=4)
     r = fidelity(pools, 2, "mlp", steps=1, plan=given)
     assert Plan.from_json(r["plan_json"]) == given
 
@@ -171,6 +177,13 @@ def test_more_schedules(pools, schedule, stages):
     """Schedules that put two stages on each rank (world 2)."""
     r = fidelity(pools, 2, "mlp", stages=stages, schedule=schedule)
     assert r["plan"][3] == schedule
+
+
+def test_looped_breadth_first_with_the_users_own_loss(pools):
+    """LoopedBFS (two stages per rank) when the user computes the loss from the outputs."""
+    r = fidelity(pools, 2, "mlp", *returned("outputs"), style="outputs", stages=4, schedule="LoopedBFS",
+                 micro_batches=2)
+    assert r["plan"][3] == "LoopedBFS"
 
 
 @pytest.mark.parametrize("world,stages,micro_batches", [(2, 1, 1), (4, 1, 1), (2, 2, 4), (4, 2, 2)])

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from partita.capture.blocks import model_graph
+from partita.capture.model_graph import model_graph
 from partita.capture.export import capture
 from partita.capture.meta import meta_graph
 from partita.capture.shapes import shape_at
 from partita.capture.split import split
-from partita.profile.blocks import measure_blocks
+from partita.profile.block_times import measure_blocks
 from support.moe_cases import EXPERTS, MOE_CASES, tokens_per_expert
 from test_fidelity import check
 

@@ -10,7 +10,7 @@ from launch.harness import BIN, PYTHON, SCRIPT, env, output
 from partita.errors import LaunchError
 from partita.launch import mpi
 from partita.launch.env import detect
-from partita.launch.placement import Address, Join
+from partita.launch.detected import Address, Join
 from partita.launch.slurm import first_host, tasks_per_node
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2",

@@ -169,7 +169,7 @@ def _scheduler(kind: str | None, optimizer):
 
 
 def _summary(plan) -> tuple:
-    return plan.num_stages, plan.num_replicas, plan.num_microbatches, plan.schedule
+    return plan.num_stages, plan.num_replicas, plan.micro_batches, plan.schedule
 
 
 def _through_bytes(state: dict) -> dict:
@@ -380,6 +380,8 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
         elif scenario == "world_not_multiple":
             pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=3)
             pm(x, y)
+        elif scenario == "schedule_needs_loss_fn":
+            partita.parallelize(model, stages=2, micro_batches=4, schedule="1F1B")
         elif scenario == "save_plan":
             pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2)
             pm(x, y).backward()
@@ -420,7 +422,7 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
             # a model of its own, so that its blocks are measured now (links come from the session's cache)
             odd = torch.nn.Sequential(torch.nn.Linear(32, 24), torch.nn.Tanh(), torch.nn.Linear(24, 32))
             pm = partita.parallelize(odd, loss_fn=torch.nn.MSELoss(), stages=2)
-            with mock.patch("partita.profile.blocks._measure_stage", side_effect=RuntimeError("injected fault"))\
+            with mock.patch("partita.profile.block_times._measure_stage", side_effect=RuntimeError("injected fault"))\
                     if rank == 1 else contextlib.nullcontext():
                 pm(x, y)
         elif scenario == "capture_fails_on_one_rank":

@@ -7,7 +7,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from partita.capture.blocks import model_graph
+from partita.capture.model_graph import model_graph
 from partita.capture.export import capture, flatten_call
 from partita.capture.split import carry_stages, split, units
 from partita.errors import BatchError, CaptureError, PlanError
@@ -110,7 +110,7 @@ def test_more_stages_than_blocks():
 def _measure_each_block(model: nn.Module, case, rows: int = 2) -> list:
     """(block, forward seconds, bytes kept for the backward) of every block of `model`, each measured alone
     at `rows` rows as the profiler does."""
-    from partita.profile.blocks import measure_block
+    from partita.profile.block_times import measure_block
 
     args, kwargs, _ = case.batch(4, torch.Generator().manual_seed(0))
     cap = capture(model, args, kwargs)

@@ -50,7 +50,7 @@ class RecordingStage:
     set_local_fwd_input = set_local_bwd_input = get_local_bwd_output = nothing
 
 
-def torch_orders(schedule: str, num_stages: int, pipeline_size: int, num_microbatches: int) -> list[list[Action]]:
+def torch_orders(schedule: str, num_stages: int, pipeline_size: int, micro_batches: int) -> list[list[Action]]:
     """Run torch's class for `schedule` on every pipeline position and return the compute calls of each."""
     cls = get_schedule_class(schedule)
     recorded = []
@@ -59,9 +59,9 @@ def torch_orders(schedule: str, num_stages: int, pipeline_size: int, num_microba
         stages = [RecordingStage(s, num_stages, rank, pipeline_size, log) for s in range(num_stages)
                   if stage_to_pipeline_rank(schedule, s, pipeline_size) == rank]
         if issubclass(cls, PipelineScheduleSingle):
-            runner = cls(stages[0], n_microbatches=num_microbatches)
+            runner = cls(stages[0], n_microbatches=micro_batches)
         else:
-            runner = cls(stages, n_microbatches=num_microbatches)
+            runner = cls(stages, n_microbatches=micro_batches)
         runner._step_microbatches()
         recorded.append(log)
     return recorded
@@ -80,20 +80,20 @@ CASES = (
 )
 
 
-@pytest.mark.parametrize("schedule,num_stages,pipeline_size,num_microbatches", CASES)
-def test_orders_equal_what_torch_runs(schedule, num_stages, pipeline_size, num_microbatches):
-    expected = torch_orders(schedule, num_stages, pipeline_size, num_microbatches)
-    got = orders(schedule, num_stages, pipeline_size, num_microbatches)
+@pytest.mark.parametrize("schedule,num_stages,pipeline_size,micro_batches", CASES)
+def test_orders_equal_what_torch_runs(schedule, num_stages, pipeline_size, micro_batches):
+    expected = torch_orders(schedule, num_stages, pipeline_size, micro_batches)
+    got = orders(schedule, num_stages, pipeline_size, micro_batches)
     for rank, (mine, torchs) in enumerate(zip(got, expected)):
         assert [str(a) for a in mine] == [str(a) for a in torchs], f"rank {rank}"
 
 
-@pytest.mark.parametrize("schedule,num_stages,pipeline_size,num_microbatches", [
+@pytest.mark.parametrize("schedule,num_stages,pipeline_size,micro_batches", [
     ("1F1B", 4, 4, 3), ("Interleaved1F1B", 8, 4, 9), ("InterleavedZeroBubble", 8, 4, 13),
     ("ZBVZeroBubble", 2, 2, 4), ("DualPipeV", 2, 2, 4), ("DualPipeV", 4, 2, 3),
 ])
-def test_sizes_torch_rejects_are_rejected(schedule, num_stages, pipeline_size, num_microbatches):
+def test_sizes_torch_rejects_are_rejected(schedule, num_stages, pipeline_size, micro_batches):
     with pytest.raises(ValueError):
-        torch_orders(schedule, num_stages, pipeline_size, num_microbatches)
+        torch_orders(schedule, num_stages, pipeline_size, micro_batches)
     with pytest.raises(ValueError):
-        orders(schedule, num_stages, pipeline_size, num_microbatches)
+        orders(schedule, num_stages, pipeline_size, micro_batches)

@@ -5,7 +5,7 @@ import pytest
 from partita.cluster import Cluster, DeviceSpec, Link
 from partita.errors import BatchError, PlanError
 from partita.graph import Block, BlockCost, Fit, ModelGraph, Profile
-from partita.plan import Plan, choose_plan
+from partita.plan import Constraints, Plan, choose_plan
 from partita.plan.plan import rank_layout
 
 MB = 10**6
@@ -33,7 +33,7 @@ def cluster(world, memory_mb):
 def test_data_parallel_when_the_model_fits():
     graph, profile = model([1e-4] * 8)
     plan = choose_plan(graph, profile, cluster(4, 10**4), global_batch=32, optimizer_factor=2)
-    assert (plan.num_stages, plan.num_replicas, plan.num_microbatches) == (1, 4, 1)
+    assert (plan.num_stages, plan.num_replicas, plan.micro_batches) == (1, 4, 1)
     assert any("data parallel only" in r for r in plan.reasons) and any("proven optimal" in r for r in plan.reasons)
 
 
@@ -71,20 +71,20 @@ def test_the_shallowest_pipeline_within_the_margin_of_the_fastest_wins(num_block
 
 def test_stages_balance_measured_time():
     graph, profile = model([1, 1, 1, 1, 4])
-    plan = choose_plan(graph, profile, cluster(2, 10**4), global_batch=8, optimizer_factor=0, stages=2,
-                       schedule="GPipe")
+    plan = choose_plan(graph, profile, cluster(2, 10**4), global_batch=8, optimizer_factor=0,
+        constraints=Constraints(stages=2, schedule="GPipe"))
     assert [s.blocks for s in plan.stages] == [(0, 4), (4, 5)]
     assert [s.ranks for s in plan.stages] == [(0,), (1,)]
 
 
 def test_recomputation_when_activations_do_not_fit():
     graph, profile = model([1e-4] * 4, param_mb=1, act_mb=20)
-    plan = choose_plan(graph, profile, cluster(2, 200), global_batch=8, optimizer_factor=0, stages=2,
-                       micro_batches=4, schedule="GPipe")
+    plan = choose_plan(graph, profile, cluster(2, 200), global_batch=8, optimizer_factor=0,
+        constraints=Constraints(stages=2, micro_batches=4, schedule="GPipe"))
     assert any(s.recompute for s in plan.stages)
     with pytest.raises(PlanError, match="allow recomputation"):
-        choose_plan(graph, profile, cluster(2, 200), global_batch=8, optimizer_factor=0, stages=2,
-                    micro_batches=4, schedule="GPipe", recompute=False)
+        choose_plan(graph, profile, cluster(2, 200), global_batch=8, optimizer_factor=0,
+            constraints=Constraints(stages=2, micro_batches=4, schedule="GPipe", recompute=False))
 
 
 def test_rank_layout_for_replicas_and_v_schedules():
@@ -105,14 +105,15 @@ def test_no_plan_fits_says_what_would():
 def test_indivisible_batch_names_a_valid_choice():
     graph, profile = model([1e-4] * 4)
     with pytest.raises(BatchError, match=r"micro_batches from \[1, 2, 3, 6\]"):
-        choose_plan(graph, profile, cluster(4, 10**4), global_batch=12, optimizer_factor=0, stages=2,
-                    micro_batches=4)
+        choose_plan(graph, profile, cluster(4, 10**4), global_batch=12, optimizer_factor=0,
+            constraints=Constraints(stages=2, micro_batches=4))
 
 
 def test_micro_batches_alone_that_split_no_layout_say_the_batch_does_not_split():
     graph, profile = model([1e-4] * 4)
     with pytest.raises(BatchError) as e:
-        choose_plan(graph, profile, cluster(2, 10**4), global_batch=6, optimizer_factor=0, micro_batches=4)
+        choose_plan(graph, profile, cluster(2, 10**4), global_batch=6, optimizer_factor=0,
+            constraints=Constraints(micro_batches=4))
     msg = str(e.value)
     assert "global batch of 6 rows (2 ranks x 3) does not split into 4 micro-batches whatever the layout" in msg
     assert "3 rows (2 replicas) or 6 rows (1 replica)" in msg and "micro_batches from [1, 2, 3, 6]" in msg
@@ -121,14 +122,17 @@ def test_micro_batches_alone_that_split_no_layout_say_the_batch_does_not_split()
 def test_constraints_that_cannot_hold():
     graph, profile = model([1e-4] * 4)
     with pytest.raises(PlanError, match=r"Choose stages from \[1, 2, 4\]"):
-        choose_plan(graph, profile, cluster(4, 10**4), global_batch=8, optimizer_factor=0, stages=3)
+        choose_plan(graph, profile, cluster(4, 10**4), global_batch=8, optimizer_factor=0,
+            constraints=Constraints(stages=3))
     with pytest.raises(PlanError, match="unknown schedule"):
-        choose_plan(graph, profile, cluster(4, 10**4), global_batch=8, optimizer_factor=0, schedule="Zigzag")
+        choose_plan(graph, profile, cluster(4, 10**4), global_batch=8, optimizer_factor=0,
+            constraints=Constraints(schedule="Zigzag"))
 
 
 def test_plan_round_trips_through_json_and_explains(tmp_path):
     graph, profile = model([1, 2, 3, 4])
-    plan = choose_plan(graph, profile, cluster(4, 10**4), global_batch=16, optimizer_factor=2, stages=2)
+    plan = choose_plan(graph, profile, cluster(4, 10**4), global_batch=16, optimizer_factor=2,
+        constraints=Constraints(stages=2))
     path = tmp_path / "plan.json"
     plan.save(path)
     assert Plan.load(path) == plan
@@ -144,12 +148,12 @@ def test_plan_round_trips_through_json_and_explains(tmp_path):
     (lambda d: d["stages"][1].update(blocks=[0, 4]), "consecutive"),
     (lambda d: d.update(schedule="Zigzag"), "unknown schedule"),
     (lambda d: d.update(version=99), "version"),
-    (lambda d: d.update(num_microbatches=1, schedule="1F1B"), "at least as many micro-batches"),
+    (lambda d: d.update(micro_batches=1, schedule="1F1B"), "at least as many micro-batches"),
 ])
 def test_invalid_plans_are_refused(change, match):
     graph, profile = model([1, 2, 3, 4])
-    plan = choose_plan(graph, profile, cluster(4, 10**4), global_batch=16, optimizer_factor=0, stages=2,
-                       schedule="GPipe")
+    plan = choose_plan(graph, profile, cluster(4, 10**4), global_batch=16, optimizer_factor=0,
+        constraints=Constraints(stages=2, schedule="GPipe"))
     data = plan.to_dict()
     change(data)
     with pytest.raises(PlanError, match=match):
@@ -159,3 +163,28 @@ def test_invalid_plans_are_refused(change, match):
 def test_not_a_plan():
     with pytest.raises(PlanError, match="not a partita plan"):
         Plan.from_json('{"hello": 1}')
+
+
+def test_plans_written_by_version_1_still_load():
+    """Version 1 called the micro-batch count `num_microbatches`; such plans load as version 2."""
+    graph, profile = model([1, 2, 3, 4])
+    plan = choose_plan(graph, profile, cluster(4, 10**4), global_batch=16, optimizer_factor=0,
+                       constraints=Constraints(stages=2, micro_batches=2))
+    old = plan.to_dict()
+    old["num_microbatches"] = old.pop("micro_batches")
+    old["version"] = 1
+    assert Plan.from_dict(old).validate() == plan
+    assert plan.version == 2 and plan.to_dict()["micro_batches"] == 2
+
+
+def test_without_loss_fn_only_schedules_that_finish_every_forward_first():
+    """The user's loss comes after every forward: the planner plans GPipe or LoopedBFS, and refuses 1F1B."""
+    graph, profile = model([1e-4] * 8, param_mb=10)
+    plan = choose_plan(graph, profile, cluster(8, 300), global_batch=64, optimizer_factor=2,
+                       constraints=Constraints(user_loss=True))
+    assert plan.num_stages > 1 and plan.schedule in ("GPipe", "LoopedBFS")
+    assert any("without loss_fn" in r for r in plan.reasons)
+    with pytest.raises(PlanError, match="Pass loss_fn=... to parallelize to use 1F1B"):
+        choose_plan(graph, profile, cluster(8, 300), global_batch=64, optimizer_factor=2,
+                    constraints=Constraints(schedule="1F1B", user_loss=True))
+

@@ -2,8 +2,8 @@
 
 import pytest
 
-from partita.schedule.placement import SCHEDULES, SINGLE_STAGE_SCHEDULES, stage_to_pipeline_rank
-from partita.schedule import (Action, check_sizes, microbatches_in_flight, orders, peak_activation_bytes,
+from partita.schedule.catalog import SCHEDULES, SINGLE_STAGE_SCHEDULES, stage_to_pipeline_rank
+from partita.schedule import (Action, check_sizes, micro_batches_in_flight, orders, peak_activation_bytes,
                               validate_orders)
 
 
@@ -44,13 +44,13 @@ def test_action_parse_rejects_other_text(bad):
 # ---- sizes torch accepts ------------------------------------------------------------------------------
 @pytest.mark.parametrize("args,message", [
     (("Zigzag", 2, 2, 4), "unknown schedule 'Zigzag'; choose one of GPipe, 1F1B"),
-    (("GPipe", 2, 2, 0), "num_microbatches must be at least 1"),
+    (("GPipe", 2, 2, 0), "micro_batches must be at least 1"),
     (("GPipe", 4, 2, 4), r"GPipe runs one stage per rank: num_stages \(4\) must equal pipeline_size \(2\)"),
-    (("1F1B", 4, 4, 3), "1F1B needs at least as many micro-batches as stages: 3 < 4. Use num_microbatches=4"),
+    (("1F1B", 4, 4, 3), "1F1B needs at least as many micro-batches as stages: 3 < 4. Use micro_batches=4"),
     (("LoopedBFS", 5, 2, 4), r"num_stages \(5\) must be a multiple of pipeline_size \(2\), e.g. 4"),
-    (("Interleaved1F1B", 8, 4, 9), r"2 equal rounds, so num_microbatches \(9\) must be a multiple of 2; use "
-                                   r"num_microbatches=8"),
-    (("InterleavedZeroBubble", 8, 4, 13), "use num_microbatches=12"),
+    (("Interleaved1F1B", 8, 4, 9), r"2 equal rounds, so micro_batches \(9\) must be a multiple of 2; use "
+                                   r"micro_batches=8"),
+    (("InterleavedZeroBubble", 8, 4, 13), "use micro_batches=12"),
     (("ZBVZeroBubble", 6, 2, 8), r"exactly two stages on each rank: num_stages \(6\) must be 2 x pipeline_size"),
     (("DualPipeV", 4, 2, 3), "DualPipeV needs at least as many micro-batches as stages: 3 < 4"),
 ])
@@ -59,36 +59,36 @@ def test_sizes_torch_rejects_raise_with_rule_and_fix(args, message):
         orders(*args)
 
 
-@pytest.mark.parametrize("num_microbatches", range(1, 40))
+@pytest.mark.parametrize("micro_batches", range(1, 40))
 @pytest.mark.parametrize("pipeline_size", [2, 3, 4, 8])
-def test_interleaved_suggestion_is_accepted(pipeline_size, num_microbatches):
+def test_interleaved_suggestion_is_accepted(pipeline_size, micro_batches):
     try:
-        check_sizes("Interleaved1F1B", 2 * pipeline_size, pipeline_size, num_microbatches)
+        check_sizes("Interleaved1F1B", 2 * pipeline_size, pipeline_size, micro_batches)
     except ValueError as error:
         suggested = int(str(error).rsplit("=", 1)[1].rstrip("."))
         check_sizes("Interleaved1F1B", 2 * pipeline_size, pipeline_size, suggested)
 
 
 # ---- invariants of every generated order --------------------------------------------------------------
-@pytest.mark.parametrize("schedule,num_stages,pipeline_size,num_microbatches", TABLE)
-def test_orders_are_complete_and_well_ordered(schedule, num_stages, pipeline_size, num_microbatches):
-    result = orders(schedule, num_stages, pipeline_size, num_microbatches)
+@pytest.mark.parametrize("schedule,num_stages,pipeline_size,micro_batches", TABLE)
+def test_orders_are_complete_and_well_ordered(schedule, num_stages, pipeline_size, micro_batches):
+    result = orders(schedule, num_stages, pipeline_size, micro_batches)
     assert len(result) == pipeline_size
-    validate_orders(result, num_stages, num_microbatches)
+    validate_orders(result, num_stages, micro_batches)
     for rank, order in enumerate(result):
         assert {a.stage for a in order} == {s for s in range(num_stages)
                                             if stage_to_pipeline_rank(schedule, s, pipeline_size) == rank}
     # each stage runs its forwards in micro-batch order (the runtime feeds inputs in that order)
     for order in result:
         for stage in {a.stage for a in order}:
-            forwards = [a.microbatch for a in order if a.stage == stage and a.op == "F"]
-            assert forwards == list(range(num_microbatches))
+            forwards = [a.micro_batch for a in order if a.stage == stage and a.op == "F"]
+            assert forwards == list(range(micro_batches))
 
 
 def test_every_schedule_the_planner_knows_is_generated():
     for schedule in SCHEDULES:
         pipeline_size = 4 if schedule in SINGLE_STAGE_SCHEDULES else 2
-        validate_orders(orders(schedule, 4, pipeline_size, 8), num_stages=4, num_microbatches=8)
+        validate_orders(orders(schedule, 4, pipeline_size, 8), num_stages=4, micro_batches=8)
 
 
 # ---- hand-checked small cases -------------------------------------------------------------------------
@@ -146,22 +146,22 @@ def parse_orders(*rows):
 def test_validate_names_the_broken_rule(rows, message):
     with pytest.raises(ValueError, match=message):
         validate_orders(parse_orders(*rows), num_stages=2 if len(rows) > 1 or "2F0" in rows[0] else 1,
-                        num_microbatches=1)
+                        micro_batches=1)
 
 
 # ---- memory-relevant facts ----------------------------------------------------------------------------
-@pytest.mark.parametrize("num_stages,num_microbatches", [(1, 1), (4, 4), (4, 16), (8, 9)])
-def test_in_flight_gpipe_holds_all_1f1b_holds_stages_to_go(num_stages, num_microbatches):
-    gpipe = microbatches_in_flight(orders("GPipe", num_stages, num_stages, num_microbatches), num_stages)
-    assert gpipe == (num_microbatches,) * num_stages
-    one_f_one_b = microbatches_in_flight(orders("1F1B", num_stages, num_stages, num_microbatches), num_stages)
+@pytest.mark.parametrize("num_stages,micro_batches", [(1, 1), (4, 4), (4, 16), (8, 9)])
+def test_in_flight_gpipe_holds_all_1f1b_holds_stages_to_go(num_stages, micro_batches):
+    gpipe = micro_batches_in_flight(orders("GPipe", num_stages, num_stages, micro_batches), num_stages)
+    assert gpipe == (micro_batches,) * num_stages
+    one_f_one_b = micro_batches_in_flight(orders("1F1B", num_stages, num_stages, micro_batches), num_stages)
     assert one_f_one_b == tuple(num_stages - s for s in range(num_stages))
 
 
 def test_peak_activation_bytes_counts_a_ranks_stages_together():
     result = orders("Interleaved1F1B", 4, 2, 4)
     assert peak_activation_bytes(result, [1.0] * 4) == (5.0, 3.0)
-    in_flight = microbatches_in_flight(result, 4)
+    in_flight = micro_batches_in_flight(result, 4)
     assert in_flight == (4, 3, 2, 1)  # rank 0: 4 + 2 > 5, the peaks of its two stages do not coincide
 
 
@@ -172,3 +172,18 @@ def test_docstring_examples_run():
     for name in ("action", "generate", "interleaved", "v_shaped", "validate", "inflight"):
         module = importlib.import_module(f"partita.schedule.{name}")
         assert doctest.testmod(module).failed == 0, name
+
+
+def test_forwards_first_schedules_are_those_whose_ranks_run_every_forward_before_any_backward():
+    from partita.schedule.catalog import FORWARDS_FIRST_SCHEDULES, SCHEDULES, stages_per_rank
+
+    def forwards_first(schedule):
+        for pipeline_size in (2, 3):
+            stages = pipeline_size * stages_per_rank(schedule)
+            for order in orders(schedule, stages, pipeline_size, 2 * stages):
+                ops = [a.op for a in order]
+                if "F" in ops[ops.index(next(o for o in ops if o != "F")):]:
+                    return False
+        return True
+
+    assert tuple(s for s in SCHEDULES if forwards_first(s)) == FORWARDS_FIRST_SCHEDULES

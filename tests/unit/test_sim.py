@@ -20,20 +20,20 @@ BACKWARD_S = (1.0, 2.5, 1.5, 2.25, 0.875)
 
 # ---- closed forms -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 5])
-@pytest.mark.parametrize("num_microbatches", [1, 2, 7])
-def test_gpipe_without_transfers_is_fill_drain(num_stages, num_microbatches):
+@pytest.mark.parametrize("micro_batches", [1, 2, 7])
+def test_gpipe_without_transfers_is_fill_drain(num_stages, micro_batches):
     f, b = FORWARD_S[:num_stages], BACKWARD_S[:num_stages]
-    trace = simulate(orders("GPipe", num_stages, num_stages, num_microbatches), StageCosts(f, b))
-    m = num_microbatches
+    trace = simulate(orders("GPipe", num_stages, num_stages, micro_batches), StageCosts(f, b))
+    m = micro_batches
     assert trace.makespan_s == sum(f) + (m - 1) * max(f) + sum(b) + (m - 1) * max(b)
 
 
-@pytest.mark.parametrize("num_stages,num_microbatches", [(1, 1), (2, 2), (4, 4), (4, 9), (8, 16)])
-def test_1f1b_with_equal_stages(num_stages, num_microbatches):
-    trace = simulate(orders("1F1B", num_stages, num_stages, num_microbatches),
+@pytest.mark.parametrize("num_stages,micro_batches", [(1, 1), (2, 2), (4, 4), (4, 9), (8, 16)])
+def test_1f1b_with_equal_stages(num_stages, micro_batches):
+    trace = simulate(orders("1F1B", num_stages, num_stages, micro_batches),
                      StageCosts.uniform(num_stages, 0.75, 1.5))
-    assert trace.makespan_s == (num_microbatches + num_stages - 1) * (0.75 + 1.5)
-    assert trace.bubble_fraction == pytest.approx((num_stages - 1) / (num_microbatches + num_stages - 1))
+    assert trace.makespan_s == (micro_batches + num_stages - 1) * (0.75 + 1.5)
+    assert trace.bubble_fraction == pytest.approx((num_stages - 1) / (micro_batches + num_stages - 1))
 
 
 # ---- hand-checked ---------------------------------------------------------------------------------------
@@ -46,7 +46,7 @@ def test_1f1b_two_stages_with_transfers_by_hand():
     assert trace.makespan_s == 10.0 and trace.step_s == 10.75
     assert trace.busy_s == (6.0, 6.0) and trace.bubble_fraction == 1 - 12 / 20
     sends = [e for e in trace.events if e.op.startswith("SEND")]
-    assert [(e.rank, e.stage, e.op, e.microbatch, e.start_s, e.end_s) for e in sends] == [
+    assert [(e.rank, e.stage, e.op, e.micro_batch, e.start_s, e.end_s) for e in sends] == [
         (0, 0, "SEND_F", 0, 1.0, 1.5), (0, 0, "SEND_F", 1, 2.0, 2.5),
         (1, 1, "SEND_B", 0, 4.5, 5.0), (1, 1, "SEND_B", 1, 7.5, 8.0)]
     tails = [(e.rank, e.start_s, e.end_s) for e in trace.events if e.op == "TAIL"]
@@ -92,13 +92,13 @@ def test_tail_starts_when_the_whole_pipeline_drained():
 
 
 # ---- every schedule runs -------------------------------------------------------------------------------
-@pytest.mark.parametrize("schedule,num_stages,pipeline_size,num_microbatches", TABLE)
-def test_every_schedule_simulates_without_deadlock(schedule, num_stages, pipeline_size, num_microbatches):
+@pytest.mark.parametrize("schedule,num_stages,pipeline_size,micro_batches", TABLE)
+def test_every_schedule_simulates_without_deadlock(schedule, num_stages, pipeline_size, micro_batches):
     f, b = FORWARD_S[:1] * num_stages, BACKWARD_S[:1] * num_stages
     costs = StageCosts(f, b, send_activations_s=(0.125,) * num_stages, send_gradients_s=(0.25,) * num_stages)
-    result = orders(schedule, num_stages, pipeline_size, num_microbatches)
+    result = orders(schedule, num_stages, pipeline_size, micro_batches)
     trace = simulate(result, costs)
-    assert sum(trace.busy_s) == num_microbatches * (sum(f) + sum(b))
+    assert sum(trace.busy_s) == micro_batches * (sum(f) + sum(b))
     assert 0.0 <= trace.bubble_fraction < 1.0
     lower_bound = max(trace.busy_s)
     assert trace.makespan_s >= lower_bound
@@ -165,7 +165,7 @@ def test_docstring_examples_run():
     import doctest
     import importlib
 
-    for name in ("costs", "engine", "trace", "timeline"):
+    for name in ("costs", "simulate", "trace", "timeline"):
         module = importlib.import_module(f"partita.sim.{name}")
         assert doctest.testmod(module).failed == 0, name
 

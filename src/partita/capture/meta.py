@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from partita.capture.blocks import model_graph
+from partita.capture.model_graph import model_graph
 from partita.capture.export import capture
 from partita.errors import CaptureError
 from partita.graph import ModelGraph
 from partita.graph.graph import Block, Fit
-from partita.profile import cache
+from partita import cache
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16, "int64": torch.int64, "long": torch.int64, "int32": torch.int32,

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from partita.errors import CheckpointError
+from partita.plan.plan import upgrade
 
 MANIFEST = "manifest.json"
 FORMAT = "partita-checkpoint"
@@ -108,9 +109,10 @@ def _check_types(data: dict) -> None:
 
 def plan_summary(plan: dict) -> str:
     """'2 stages x 2 replicas, 1F1B, 4 micro-batches, world 4' from a plan's JSON form."""
+    plan = upgrade(plan)
     stages = plan["stages"]
     return (f"{len(stages)} stages x {len(stages[0]['ranks'])} replicas, {plan['schedule']}, "
-            f"{plan['num_microbatches']} micro-batches, world {plan['world_size']}")
+            f"{plan['micro_batches']} micro-batches, world {plan['world_size']}")
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:

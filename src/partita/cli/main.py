@@ -6,10 +6,10 @@ import argparse
 import sys
 
 from partita import settings
-from partita.cli import export, plan, ray, run, slurm
+from partita.cli import export_command, plan_command, ray_command, run_command, slurm_command
 from partita.errors import PartitaError
 
-COMMANDS = [run, plan, slurm, ray, export]
+COMMANDS = [run_command, plan_command, slurm_command, ray_command, export_command]
 
 
 def main(argv: list[str] | None = None) -> int:

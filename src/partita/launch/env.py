@@ -21,7 +21,7 @@ import torch.distributed as dist
 from partita import settings
 from partita.errors import LaunchError
 from partita.launch import mpi, peers, ray_worker, rendezvous, slurm, threads, torchrun
-from partita.launch.placement import Join, Placement
+from partita.launch.detected import Join, Placement
 
 log = logging.getLogger("partita")
 

@@ -15,7 +15,7 @@ import socket
 from dataclasses import replace
 
 from partita.errors import LaunchError
-from partita.launch.placement import Address, Join, Placement, integer, job_port, nodes_for
+from partita.launch.detected import Address, Join, Placement, integer, job_port, nodes_for
 
 
 def detect(environ: dict) -> Placement | None:

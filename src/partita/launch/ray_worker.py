@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from partita.launch.placement import Join, Placement, nodes_for
+from partita.launch.detected import Join, Placement, nodes_for
 
 
 def detect(environ: dict) -> Placement | None:

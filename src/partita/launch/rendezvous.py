@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed import DistStoreError
 
 from partita.errors import LaunchError
-from partita.launch.placement import Address, Placement
+from partita.launch.detected import Address, Placement
 
 _KEY = "partita/rendezvous/"
 _SESSION = "partita/session/"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from partita.launch.placement import Address, Join, Placement, integer, job_port
+from partita.launch.detected import Address, Join, Placement, integer, job_port
 
 
 def detect(environ: dict) -> Placement | None:

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from partita.errors import LaunchError
-from partita.launch.placement import Address, Join, Placement, integer, nodes_for
+from partita.launch.detected import Address, Join, Placement, integer, nodes_for
 
 
 def detect(environ: dict) -> Placement | None:

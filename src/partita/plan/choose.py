@@ -11,9 +11,10 @@ from partita.graph import ModelGraph, Profile
 from partita.plan.cost import CostModel, Layout
 from partita.plan.explain import size
 from partita.plan.plan import Estimate, Plan, StagePlan, check_batch
-from partita.plan.search import (NODE_BUDGET, SEARCH_BUDGET, Candidate, Constraints, SearchResult, _PartitionSearch,
+from partita.plan.constraints import Constraints
+from partita.plan.search import (NODE_BUDGET, SEARCH_BUDGET, Candidate, SearchResult, _PartitionSearch,
                                   evaluate, layouts, search)
-from partita.schedule.placement import SCHEDULES, stages_per_rank
+from partita.schedule.catalog import FORWARDS_FIRST_SCHEDULES, SCHEDULES, stages_per_rank
 
 
 SIMPLER_WITHIN = 0.05  # plans this close to the fastest simulated step count as equally fast
@@ -24,14 +25,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def choose_plan(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global_batch: int,
-                optimizer_factor: float, stages: int | None = None, replicas: int | None = None,
-                micro_batches: int | None = None, schedule: str | None = None, recompute: bool | None = None,
+                optimizer_factor: float, constraints: Constraints = Constraints(),
                 node_budget: int = NODE_BUDGET) -> Plan:
-    """The plan with the shortest simulated step that fits memory; every argument given is honoured.
+    """The plan with the shortest simulated step that fits memory; every constraint given is honoured.
 
     `global_batch` is the rows of one optimizer step over all ranks (world size x local batch).
     """
-    constraints = Constraints(stages, replicas, micro_batches, schedule, recompute)
     _check_constraints(graph, cluster, global_batch, constraints)
     started = time.perf_counter()
     result = search(graph, profile, cluster, global_batch=global_batch, optimizer_factor=optimizer_factor,
@@ -100,7 +99,7 @@ def to_plan(graph: ModelGraph, model: CostModel, best: Candidate, result: Search
         layouts_searched=result.layouts_searched, layouts_considered=result.layouts_considered, search_s=search_s,
     )
     return Plan(
-        world_size=cluster.world_size, num_microbatches=lay.num_microbatches, schedule=lay.schedule,
+        world_size=cluster.world_size, micro_batches=lay.micro_batches, schedule=lay.schedule,
         stages=tuple(stages), fingerprint=graph.fingerprint, num_blocks=graph.num_blocks,
         local_batch=global_batch // cluster.world_size, device_memory_bytes=cluster.memory_per_rank,
         estimate=estimate,
@@ -110,8 +109,8 @@ def to_plan(graph: ModelGraph, model: CostModel, best: Candidate, result: Search
 def simulate_plan(plan: Plan, graph: ModelGraph, profile: Profile, cluster: Cluster, optimizer_factor: float):
     """The simulated step (a Trace, for pictures) of a plan's exact layout, boundaries and recomputation."""
     global_batch = plan.estimate.global_batch if plan.estimate else plan.local_batch * plan.world_size
-    rows = global_batch // plan.num_replicas // plan.num_microbatches
-    layout = Layout(plan.schedule, plan.num_stages, plan.pipeline_size, plan.num_replicas, plan.num_microbatches, rows)
+    rows = global_batch // plan.num_replicas // plan.micro_batches
+    layout = Layout(plan.schedule, plan.num_stages, plan.pipeline_size, plan.num_replicas, plan.micro_batches, rows)
     model = CostModel(graph, profile, cluster, optimizer_factor, layout)
     found = evaluate(model, [s.blocks for s in plan.stages], [s.recompute for s in plan.stages])
     if found is None:
@@ -124,6 +123,8 @@ def _check_constraints(graph: ModelGraph, cluster: Cluster, global_batch: int, c
     world = cluster.world_size
     if c.schedule is not None and c.schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {c.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if c.schedule is not None and not c.allows_schedule(c.schedule):
+        raise PlanError(user_loss_problem(c.schedule))
     per_rank = stages_per_rank(c.schedule) if c.schedule else 1
     if c.stages is not None:
         if c.stages < 1 or c.stages % per_rank or world % (c.stages // per_rank):
@@ -149,6 +150,14 @@ def _check_constraints(graph: ModelGraph, cluster: Cluster, global_batch: int, c
         raise PlanError(f"no layout meets stages={c.stages}, replicas={c.replicas}, micro_batches={c.micro_batches}, "
                         f"schedule={c.schedule} with a global batch of {global_batch} on {world} ranks (for example "
                         f"1F1B needs at least as many micro-batches as stages); relax one of them")
+
+
+def user_loss_problem(schedule: str) -> str:
+    """Why `schedule` cannot run when the user's code computes the loss, and the fix."""
+    return (f"{schedule} starts backwards before the last forward, but without loss_fn the loss is computed by "
+            f"your code after partita returns the outputs of every micro-batch, so only "
+            f"{' or '.join(FORWARDS_FIRST_SCHEDULES)} can run. Pass loss_fn=... to parallelize to use {schedule}, or "
+            f"choose {' or '.join(FORWARDS_FIRST_SCHEDULES)}.")
 
 
 def _check_microbatch_split(graph: ModelGraph, world: int, per_rank: int, global_batch: int,
@@ -181,7 +190,7 @@ def _unconstrained_memory(model: CostModel) -> int:
     """Memory of the whole model on one rank, even if it does not fit (for messages)."""
     g, lay = model.graph, model.layout
     params = g.param_bytes_of(0, g.num_blocks)
-    acts = sum(model.profile.blocks[i].activation_bytes.at(lay.microbatch_rows) for i in range(g.num_blocks))
+    acts = sum(model.profile.blocks[i].activation_bytes.at(lay.micro_batch_rows) for i in range(g.num_blocks))
     return int(params * (3 + model.optimizer_factor) + acts + model.cluster.overhead_bytes)
 
 
@@ -189,9 +198,12 @@ def _reasons(graph, profile, cluster, global_batch, optimizer_factor, constraint
              plan: Plan, fastest_not_taken: Candidate | None = None) -> tuple[str, ...]:
     est = plan.estimate
     out = []
-    fixed = {k: v for k, v in vars(constraints).items() if v is not None}
+    fixed = constraints.choices()
     if fixed:
         out.append("fixed by the caller: " + ", ".join(f"{k}={v}" for k, v in fixed.items()))
+    if constraints.user_loss and constraints.schedule is None:
+        out.append(f"schedules limited to {' and '.join(FORWARDS_FIRST_SCHEDULES)}: without loss_fn your code "
+                   "computes the loss after the forward of every micro-batch")
     if result.proven_optimal:
         out.append(f"fastest simulated step of {result.layouts_considered} layouts (stages x replicas x schedule x "
                    f"micro-batches); {result.layouts_searched} needed a search of their stage boundaries, lower "
@@ -207,7 +219,7 @@ def _reasons(graph, profile, cluster, global_batch, optimizer_factor, constraint
                    f"({fastest_not_taken.layout.describe()}, {fastest_not_taken.step_s:.4g} s per step): within "
                    f"{100 * SIMPLER_WITHIN:.0f}% of it, closer than the simulator can tell apart, and a shallower "
                    "pipeline sends fewer messages and depends less on how evenly its stages are balanced")
-    if plan.num_stages == 1 and plan.num_microbatches == 1:
+    if plan.num_stages == 1 and plan.micro_batches == 1:
         if fastest_not_taken is None:
             out.append("data parallel only: the whole model fits one device and nothing pipelined is faster")
     elif "stages" not in fixed:
@@ -227,7 +239,7 @@ def _fitting_layout(graph, profile, cluster, global_batch, optimizer_factor, rec
     """A layout whose work-balanced boundaries fit memory, trying the deepest pipelines first (a quick check,
     for suggestions; not a search)."""
     candidates = sorted(layouts(graph, cluster, global_batch, Constraints(recompute=recompute)),
-                        key=lambda lay: (-lay.pipeline_size, lay.microbatch_rows))
+                        key=lambda lay: (-lay.pipeline_size, lay.micro_batch_rows))
     for layout in candidates[:24]:
         model = CostModel(graph, profile, cluster, optimizer_factor, layout)
         if _PartitionSearch(model, float("inf"), recompute, 0).balanced() is not None:

@@ -21,8 +21,8 @@ from partita.cluster import Cluster
 from partita.graph import ModelGraph, Profile
 from partita.plan.plan import rank_layout
 from partita.schedule import orders
-from partita.schedule.inflight import microbatches_in_flight
-from partita.schedule.placement import stages_per_rank
+from partita.schedule.inflight import micro_batches_in_flight
+from partita.schedule.catalog import stages_per_rank
 
 GRAD_BUCKET_BYTES = 32 * 2**20  # partita.runtime.grads.BUCKET_BYTES
 
@@ -35,16 +35,16 @@ class Layout:
     num_stages: int
     pipeline_size: int
     num_replicas: int
-    num_microbatches: int
-    microbatch_rows: int
+    micro_batches: int
+    micro_batch_rows: int
 
     @property
     def data_parallel_only(self) -> bool:
-        return self.num_stages == 1 and self.num_microbatches == 1
+        return self.num_stages == 1 and self.micro_batches == 1
 
     def describe(self) -> str:
         return (f"{self.num_stages} stage(s) x {self.num_replicas} replica(s), {self.schedule}, "
-                f"{self.num_microbatches} micro-batch(es) of {self.microbatch_rows} rows")
+                f"{self.micro_batches} micro-batch(es) of {self.micro_batch_rows} rows")
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class CostModel:
         self.graph, self.profile, self.cluster, self.layout = graph, profile, cluster, layout
         self.optimizer_factor = optimizer_factor
         self.stream_bps = profile.param_stream_bps or cluster.device.mem_bandwidth_bps
-        rows = layout.microbatch_rows
+        rows = layout.micro_batch_rows
         self._fwd, self._bwd, self._act = _block_prefixes(profile, rows)
         self._boundary = [b.at(rows) for b in graph.boundary_bytes]
         self._writes = [b.writes_buffers for b in graph.blocks]
@@ -109,7 +109,7 @@ class CostModel:
         # ranks that share cores (CPU processes) slow each other down while they compute; a pipeline's ranks
         # compute only outside its bubble, estimated here by the classic (P-1) / (M*v + P-1)
         per_rank = layout.num_stages // layout.pipeline_size
-        bubble = (layout.pipeline_size - 1) / (layout.num_microbatches * per_rank + layout.pipeline_size - 1)
+        bubble = (layout.pipeline_size - 1) / (layout.micro_batches * per_rank + layout.pipeline_size - 1)
         self.compute_stretch = cluster.contention(1.0 - bubble)
         self.step_stretch = cluster.contention(1.0)  # every rank steps its optimizer at the same time
 
@@ -118,7 +118,7 @@ class CostModel:
         """Per stage, the micro-batches whose activations it holds at once (from the schedule's orders: only
         layouts whose stages are costed need them, not those the bounds rule out unsearched)."""
         lay = self.layout
-        return _in_flight(lay.schedule, lay.num_stages, lay.pipeline_size, lay.num_microbatches)
+        return _in_flight(lay.schedule, lay.num_stages, lay.pipeline_size, lay.micro_batches)
 
     def param_bytes(self, start: int, stop: int) -> int:
         return self.graph.param_bytes_of(start, stop)
@@ -167,7 +167,7 @@ class CostModel:
         out_bytes = self._boundary[stop - 1] if stop < self.num_blocks else 0.0
         held = self.in_flight[stage]
         grads = params * (2 if self.pipelined else 1)  # pipelines hold fresh gradients beside .grad until summed
-        buffers = ((self.layout.num_microbatches * (in_bytes + out_bytes) if self.pipelined else 0)
+        buffers = ((self.layout.micro_batches * (in_bytes + out_bytes) if self.pipelined else 0)
                    + min(params, GRAD_BUCKET_BYTES))
         kept = (in_bytes * held + acts) if recompute else acts * held
         return Memory(int(params), int(grads), int(params * self.optimizer_factor), int(kept), int(buffers), 0)
@@ -215,8 +215,8 @@ class CostModel:
 
 
 @lru_cache(maxsize=1024)
-def _in_flight(schedule: str, num_stages: int, pipeline_size: int, num_microbatches: int) -> tuple[int, ...]:
-    return microbatches_in_flight(orders(schedule, num_stages, pipeline_size, num_microbatches), num_stages)
+def _in_flight(schedule: str, num_stages: int, pipeline_size: int, micro_batches: int) -> tuple[int, ...]:
+    return micro_batches_in_flight(orders(schedule, num_stages, pipeline_size, micro_batches), num_stages)
 
 
 @lru_cache(maxsize=256)

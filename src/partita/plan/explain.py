@@ -30,14 +30,14 @@ def explain(plan) -> str:
     """The plan as a table: one row per stage, then the estimate and why it was chosen.
 
     >>> from partita.plan.plan import Plan, StagePlan
-    >>> p = Plan(world_size=2, num_microbatches=1, schedule="GPipe",
+    >>> p = Plan(world_size=2, micro_batches=1, schedule="GPipe",
     ...          stages=(StagePlan(0, (0, 3), "linear", "relu", (0, 1)),))
     >>> print(explain(p).splitlines()[0])
     plan: 1 stage x 2 replicas, GPipe, 1 micro-batch, world 2
     """
     head = (f"plan: {plan.num_stages} stage{'s' if plan.num_stages > 1 else ''} x "
             f"{plan.num_replicas} replica{'s' if plan.num_replicas > 1 else ''}, {plan.schedule}, "
-            f"{plan.num_microbatches} micro-batch{'es' if plan.num_microbatches > 1 else ''}, "
+            f"{plan.micro_batches} micro-batch{'es' if plan.micro_batches > 1 else ''}, "
             f"world {plan.world_size}")
     rows = [("stage", "blocks", "first .. last node", "ranks", "params", "fwd/mb", "bwd/mb", "recompute",
              "params+grads+optim", "activations", "buffers", "memory/rank", "send/mb", "all-reduce")]

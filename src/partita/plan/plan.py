@@ -15,11 +15,10 @@ from pathlib import Path
 
 from partita.errors import BatchError, PlanError
 from partita.schedule.generate import check_sizes
-from partita.schedule.placement import (LOOPED_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES,
+from partita.schedule.catalog import (LOOPED_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES,
                                         stage_to_pipeline_rank, stages_per_rank)
 
-VERSION = 1
-
+VERSION = 2  # 2: the micro-batch count is `micro_batches` (version 1 called it `num_microbatches`)
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ class Estimate:
 @dataclass(frozen=True)
 class Plan:
     world_size: int
-    num_microbatches: int
+    micro_batches: int
     schedule: str
     stages: tuple[StagePlan, ...]
     fingerprint: str = ""  # of the model graph the plan was made for
@@ -121,8 +120,8 @@ class Plan:
             )
         if not self.stages:
             raise PlanError("a plan needs at least one stage")
-        if self.num_microbatches < 1:
-            raise PlanError(f"num_microbatches must be at least 1, got {self.num_microbatches}")
+        if self.micro_batches < 1:
+            raise PlanError(f"micro_batches must be at least 1, got {self.micro_batches}")
         widths = {len(s.ranks) for s in self.stages}
         if len(widths) != 1:
             raise PlanError(f"every stage needs the same number of replicas; got {sorted(widths)}")
@@ -167,7 +166,7 @@ class Plan:
     def _validate_microbatches(self) -> None:
         """The schedules' own rules on stages and micro-batches (torch raises them later, less clearly)."""
         try:
-            check_sizes(self.schedule, self.num_stages, self.pipeline_size, self.num_microbatches)
+            check_sizes(self.schedule, self.num_stages, self.pipeline_size, self.micro_batches)
         except ValueError as e:
             raise PlanError(str(e)) from None
 
@@ -180,6 +179,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
+        data = upgrade(data)
         try:
             stages = tuple(
                 StagePlan(**{**s, "blocks": tuple(s["blocks"]), "ranks": tuple(s["ranks"])})
@@ -216,20 +216,28 @@ class Plan:
         return explain(self)
 
 
+def upgrade(data: dict) -> dict:
+    """A plan's JSON fields as this version names them; plans written by earlier versions still load."""
+    if data.get("version") == 1 and "num_microbatches" in data:
+        data = {k: v for k, v in data.items() if k != "num_microbatches"} | {
+            "micro_batches": data["num_microbatches"], "version": VERSION}
+    return data
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_batch(rows_per_replica: int, num_microbatches: int, num_replicas: int, world_size: int) -> None:
+def check_batch(rows_per_replica: int, micro_batches: int, num_replicas: int, world_size: int) -> None:
     """Every micro-batch of every replica must get the same whole number of rows."""
-    if rows_per_replica % num_microbatches:
+    if rows_per_replica % micro_batches:
         local = rows_per_replica * num_replicas // world_size
         depth = world_size // num_replicas
         raise BatchError(
             f"the global batch of {rows_per_replica * num_replicas} rows ({world_size} ranks x {local}) does "
-            f"not split into {num_microbatches} micro-batches x {num_replicas} replicas: each replica gets "
+            f"not split into {micro_batches} micro-batches x {num_replicas} replicas: each replica gets "
             f"{rows_per_replica} rows. Use micro_batches from {_divisors(rows_per_replica)}, or a local batch "
-            f"that makes {depth} x local batch a multiple of {num_microbatches}."
+            f"that makes {depth} x local batch a multiple of {micro_batches}."
         )
 
 

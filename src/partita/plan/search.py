@@ -23,8 +23,9 @@ from dataclasses import dataclass, field, replace
 from partita.cluster import Cluster
 from partita.errors import PlanError
 from partita.graph import ModelGraph, Profile
+from partita.plan.constraints import Constraints
 from partita.plan.cost import CostModel, Layout, StageCost
-from partita.schedule.placement import stages_per_rank
+from partita.schedule.catalog import stages_per_rank
 from partita.plan.explain import size
 from partita.plan.partition import balance
 from partita.schedule import check_sizes, orders
@@ -38,17 +39,6 @@ SEARCH_BUDGET = 12_000
 # Looped layouts have only weak bounds (no closed form is known for them), so a deep search there rarely
 # pays off; they get a quarter of the budget.
 LOOPED_SHARE = 4
-
-
-@dataclass(frozen=True)
-class Constraints:
-    """Choices the caller fixed; None leaves them to the search."""
-
-    stages: int | None = None
-    replicas: int | None = None
-    micro_batches: int | None = None
-    schedule: str | None = None
-    recompute: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -83,7 +73,8 @@ def _divisors(n: int) -> list[int]:
 def layouts(graph: ModelGraph, cluster: Cluster, global_batch: int, constraints: Constraints) -> list[Layout]:
     """Every layout of the search space that the constraints allow."""
     world = cluster.world_size
-    schedules = [constraints.schedule] if constraints.schedule else list(SEARCHED_SCHEDULES)
+    schedules = [s for s in ((constraints.schedule,) if constraints.schedule else SEARCHED_SCHEDULES)
+                 if constraints.allows_schedule(s)]
     out = []
     for schedule in schedules:
         per_rank = stages_per_rank(schedule)
@@ -186,7 +177,7 @@ def _layout_bound(model: CostModel) -> float:
     lay = model.layout
     work = model.work(0, model.num_blocks)
     params = model.graph.param_bytes_of(0, model.num_blocks)
-    m, p = lay.num_microbatches, lay.pipeline_size
+    m, p = lay.micro_batches, lay.pipeline_size
     pipeline = max(m * work / p, work)
     if stages_per_rank(lay.schedule) == 1 and m > 1:
         pipeline = max(pipeline, work / (1.0 - ((m - 1) / m) ** p))
@@ -208,7 +199,7 @@ class _Path:
     tails: tuple[float, ...] = ()  # per position: all-reduce + optimizer
     bound: float = 0.0  # a lower bound on the pipeline makespan of every completion
 
-    def extend(self, cost: StageCost, position: int, num_microbatches: int, tail: float) -> "_Path":
+    def extend(self, cost: StageCost, position: int, micro_batches: int, tail: float) -> "_Path":
         p = position
         start = self.rank_start[p] or (self.fwd_prefix, self.bwd_prefix)
         rank_work = _put(self.rank_work, p, self.rank_work[p] + cost.work_s)
@@ -222,7 +213,7 @@ class _Path:
             tails=_put(self.tails, p, self.tails[p] + tail),
             # a rank runs every micro-batch of its stages one action at a time, after the first micro-batch
             # reached its first stage, before the last one's gradient goes from there back to stage 0
-            bound=max(self.bound, start[0] + num_microbatches * rank_work[p] + start[1]),
+            bound=max(self.bound, start[0] + micro_batches * rank_work[p] + start[1]),
         )
 
 
@@ -236,7 +227,7 @@ class _PartitionSearch:
     def __init__(self, model: CostModel, best_s: float, recompute: bool | None, budget: int):
         self.model, self.best_s, self.recompute, self.budget = model, best_s, recompute, budget
         lay = model.layout
-        self.orders = orders(lay.schedule, lay.num_stages, lay.pipeline_size, lay.num_microbatches)
+        self.orders = orders(lay.schedule, lay.num_stages, lay.pipeline_size, lay.micro_batches)
         self.position = [model.ranks[s][0] % lay.pipeline_size for s in range(lay.num_stages)]
         self.warmup = _warmups(self.orders, lay.num_stages)
         self.fwd_total = model.fwd_total()
@@ -265,7 +256,7 @@ class _PartitionSearch:
             cost = model.stage(s, a, b, self.recompute)
             if cost is None or path.rank_memory[self.position[s]] + cost.memory.total > self.capacity:
                 return None
-            path = path.extend(cost, self.position[s], lay.num_microbatches, self._tail(cost))
+            path = path.extend(cost, self.position[s], lay.micro_batches, self._tail(cost))
         self._evaluate(path)
         return self.best
 
@@ -318,7 +309,7 @@ class _PartitionSearch:
 
     def _try(self, stage: int, stop: int, path: _Path, cost: StageCost) -> None:
         model, lay = self.model, self.model.layout
-        n, m = model.num_blocks, lay.num_microbatches
+        n, m = model.num_blocks, lay.micro_batches
         left = lay.num_stages - stage
         position = self.position[stage]
         if path.rank_memory[position] + cost.memory.total > self.capacity:
@@ -337,7 +328,7 @@ class _PartitionSearch:
         that only grows in that direction reaches the best step: the stage's own work going up, the share
         of the work left for the later stages going down."""
         model, lay = self.model, self.model.layout
-        n, m, left = model.num_blocks, lay.num_microbatches, lay.num_stages - stage
+        n, m, left = model.num_blocks, lay.micro_batches, lay.num_stages - stage
         if left == 1:
             yield n
             return
@@ -371,7 +362,7 @@ class _PartitionSearch:
         transfers only add. 1F1B: a stage's first backward waits for the first micro-batch's round trip
         through all later stages, while it runs only its warm-up forwards."""
         model, lay = self.model, self.model.layout
-        m, left = lay.num_microbatches, lay.num_stages - stage - 1
+        m, left = lay.micro_batches, lay.num_stages - stage - 1
         rem_work = model.work(stop, model.num_blocks)
         if lay.schedule == "GPipe":
             rem_fwd = self.fwd_total - model.fwd_until(stop)
@@ -419,7 +410,7 @@ def evaluate(model: CostModel, ranges: list[tuple[int, int]], recompute: list[bo
         position = search.position[stage]
         if cost is None or path.rank_memory[position] + cost.memory.total > search.capacity:
             return None
-        path = path.extend(cost, position, model.layout.num_microbatches, search._tail(cost))
+        path = path.extend(cost, position, model.layout.micro_batches, search._tail(cost))
     search._evaluate(path)
     return search.best
 

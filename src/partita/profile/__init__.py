@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from partita.cluster import DEVICES, Cluster, DeviceSpec, Link, RuntimeOverheads
 from partita.graph import ModelGraph, Profile
-from partita.profile import cache
-from partita.profile.blocks import measure_blocks, profile_rows, stream_bandwidth
+from partita import cache
+from partita.profile.block_times import measure_blocks, profile_rows, stream_bandwidth
 from partita.profile.comm import measure_allreduce, measure_p2p
 from partita.profile.overheads import measure_overheads
 

@@ -57,12 +57,13 @@ def _hand_plan(graph, world: int, stages: int, micro_batches: int, schedule: str
     """A plan for the probe made without measuring (the estimate path), so no recursion."""
     from partita.cluster import DEVICES
     from partita.graph.profile import roofline_profile
-    from partita.plan import choose_plan
+    from partita.plan import Constraints, choose_plan
 
     cluster = Cluster(DEVICES["cpu"], 1, world)
     global_batch = world // stages * micro_batches * _ROWS  # _ROWS rows per micro-batch
     return choose_plan(graph, roofline_profile(graph, DEVICES["cpu"]), cluster, global_batch=global_batch,
-                       optimizer_factor=0.0, stages=stages, micro_batches=micro_batches, schedule=schedule)
+                       optimizer_factor=0.0,
+                       constraints=Constraints(stages=stages, micro_batches=micro_batches, schedule=schedule))
 
 
 def _step_function(plan: Plan, layers: int = _LAYERS) -> Callable[[], None]:
@@ -108,9 +109,9 @@ def _quiet() -> Iterator[None]:
 def _probe_graphs(device: torch.device, at_once: int) -> tuple[dict, dict | None]:
     """The graphs of the probes by depth, and the measured costs of their blocks (one signature after the
     first: they are the same layers) as a Profile per depth, on rank 0 (None elsewhere). Collective."""
-    from partita.capture.blocks import model_graph
+    from partita.capture.model_graph import model_graph
     from partita.capture.export import capture
-    from partita.profile.blocks import measure_blocks, stream_bandwidth
+    from partita.profile.block_times import measure_blocks, stream_bandwidth
 
     depths = sorted({_LAYERS, *DATA_PARALLEL_LAYERS})
     caps = {d: capture(_probe_model(d), (torch.zeros(_ROWS, _WIDTH),), {}) for d in depths}

@@ -54,7 +54,7 @@ class Pipeline:
                  group: dist.ProcessGroup, device: torch.device, mb_rows: int, has_backward: bool,
                  loss_fn=None):
         self.plan = plan
-        self.num_microbatches = plan.num_microbatches
+        self.micro_batches = plan.micro_batches
         replica_ranks = plan.replica_ranks(replica)
         position = {s.index: replica_ranks.index(s.ranks[replica]) for s in plan.stages}
         self.stages: list[PipelineStage] = []
@@ -88,7 +88,7 @@ class Pipeline:
         if self._schedule is None:
             cls = get_schedule_class(self.plan.schedule)
             stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
-            self._schedule = cls(stages, n_microbatches=self.num_microbatches, loss_fn=self.loss_fn,
+            self._schedule = cls(stages, n_microbatches=self.micro_batches, loss_fn=self.loss_fn,
                                  scale_grads=False)
         losses: list[torch.Tensor] = []
         args = inputs if self.has_first else ()
@@ -105,12 +105,12 @@ class Pipeline:
         for stage in self.stages:
             stage.has_backward = self.has_backward
             stage._inference_mode = InferenceMode.STATIC
-            stage._prepare_forward_infra(self.num_microbatches, (), {}, self.has_backward)
+            stage._prepare_forward_infra(self.micro_batches, (), {}, self.has_backward)
             if self.has_backward:
-                stage._prepare_backward_infra(self.num_microbatches)
+                stage._prepare_backward_infra(self.micro_batches)
         self._prepared = True
 
-    def forward(self, microbatches: list[tuple] | None) -> list[tuple[torch.Tensor, ...]] | None:
+    def forward(self, micro_batches: list[tuple] | None) -> list[tuple[torch.Tensor, ...]] | None:
         """Forward every micro-batch through this rank's stages; the last stage's outputs, per micro-batch."""
         if not self._prepared:
             self._prepare()
@@ -120,9 +120,9 @@ class Pipeline:
             stage.clear_runtime_states()
             current = []
             local_prev = previous is not None and stage.stage_index - 1 == self._local_before(stage)
-            for mb in range(self.num_microbatches):
+            for mb in range(self.micro_batches):
                 if stage.is_first:
-                    args = microbatches[mb]
+                    args = micro_batches[mb]
                 else:
                     if local_prev:
                         stage.set_local_fwd_input(previous[mb], mb)
@@ -145,7 +145,7 @@ class Pipeline:
         later = None
         for stage in reversed(self.stages):
             local_next = later is not None and later.stage_index == stage.stage_index + 1
-            for mb in range(self.num_microbatches):
+            for mb in range(self.micro_batches):
                 loss = None
                 if stage.is_last:
                     loss = last_stage_losses[mb]
@@ -154,7 +154,7 @@ class Pipeline:
                 else:
                     _wait(_p2p(stage.get_bwd_recv_ops(mb)))
                 stage.backward_one_chunk(mb, loss=loss, full_backward=True,
-                                         last_backward=mb == self.num_microbatches - 1)
+                                         last_backward=mb == self.micro_batches - 1)
                 if not stage.is_first and not self._local(stage.stage_index - 1):
                     sends += _p2p(stage.get_bwd_send_ops(mb))
             later = stage

@@ -19,7 +19,7 @@ _TEXT = re.compile(r"(\d+)([FBIW])(\d+)")
 
 
 class Action(NamedTuple):
-    """Run `op` of stage `stage` on micro-batch `microbatch`.
+    """Run `op` of stage `stage` on micro-batch `micro_batch`.
 
     >>> a = Action(2, "F", 3)
     >>> str(a), Action.parse("2F3") == a
@@ -28,13 +28,13 @@ class Action(NamedTuple):
 
     stage: int
     op: str
-    microbatch: int
+    micro_batch: int
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.op}{self.microbatch}"
+        return f"{self.stage}{self.op}{self.micro_batch}"
 
     def __repr__(self) -> str:
-        return f"Action({self.stage}, {self.op!r}, {self.microbatch})"
+        return f"Action({self.stage}, {self.op!r}, {self.micro_batch})"
 
     @staticmethod
     def parse(text: str) -> Action:

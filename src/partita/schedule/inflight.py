@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from partita.schedule.action import BACKWARD_INPUT, FORWARD, Action
 
 
-def microbatches_in_flight(orders: Sequence[Sequence[Action]], num_stages: int) -> tuple[int, ...]:
+def micro_batches_in_flight(orders: Sequence[Sequence[Action]], num_stages: int) -> tuple[int, ...]:
     """Per stage, the most micro-batches whose forward has run and whose backward has not yet finished.
 
     A stage keeps a micro-batch's saved activations from its F until its B, or until its W when the backward
@@ -15,7 +15,7 @@ def microbatches_in_flight(orders: Sequence[Sequence[Action]], num_stages: int) 
     (an upper bound for split backwards).
 
     >>> from partita.schedule import orders
-    >>> microbatches_in_flight(orders("1F1B", 4, 4, 8), 4)
+    >>> micro_batches_in_flight(orders("1F1B", 4, 4, 8), 4)
     (4, 3, 2, 1)
     """
     peak = [0] * num_stages
@@ -34,7 +34,7 @@ def peak_activation_bytes(orders: Sequence[Sequence[Action]], activation_bytes: 
     """Per rank, the most bytes of saved activations held at once, given each stage's bytes per micro-batch.
 
     On a rank with several stages (looped, V-shaped) their peaks need not coincide, so this is at most the
-    sum of `microbatches_in_flight` x bytes over the rank's stages.
+    sum of `micro_batches_in_flight` x bytes over the rank's stages.
 
     >>> from partita.schedule import orders
     >>> peak_activation_bytes(orders("Interleaved1F1B", 4, 2, 4), [10.0, 10.0, 1.0, 1.0])

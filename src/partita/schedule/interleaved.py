@@ -1,7 +1,7 @@
 """Interleaved (looped, depth-first) schedules: Interleaved1F1B and InterleavedZeroBubble.
 
 Rank r holds stages r, r + P, r + 2P, ... (P ranks per pipeline). Micro-batches go in rounds of
-`microbatches_per_round`; each rank runs a round of forwards on one local stage before moving to the next,
+`micro_batches_per_round`; each rank runs a round of forwards on one local stage before moving to the next,
 and its backwards through the local stages in the reverse direction. Restated from torch 2.13's
 `_get_1f1b_rank_ops` and `_get_warmup_ops` (Narayanan et al., arXiv 2104.04473; zero bubble: Qi et al.,
 arXiv 2401.10241, the ZB1P schedule).
@@ -14,38 +14,38 @@ from collections import Counter
 from partita.schedule.action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, Action
 
 
-def microbatches_per_round(num_microbatches: int, pipeline_size: int) -> int:
+def micro_batches_per_round(micro_batches: int, pipeline_size: int) -> int:
     """How many micro-batches one round holds: torch splits them into max(1, M // P) equal rounds.
 
-    >>> microbatches_per_round(10, 4), microbatches_per_round(3, 4)
+    >>> micro_batches_per_round(10, 4), micro_batches_per_round(3, 4)
     (5, 3)
     """
-    return num_microbatches // max(1, num_microbatches // pipeline_size)
+    return micro_batches // max(1, micro_batches // pipeline_size)
 
 
-def interleaved_1f1b(rank: int, num_stages: int, pipeline_size: int, num_microbatches: int) -> list[Action]:
+def interleaved_1f1b(rank: int, num_stages: int, pipeline_size: int, micro_batches: int) -> list[Action]:
     """The order of ScheduleInterleaved1F1B on `rank`.
 
     >>> " ".join(map(str, interleaved_1f1b(1, 4, 2, 2)))
     '1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1'
     """
-    return _interleaved(rank, num_stages, pipeline_size, num_microbatches, zero_bubble=False)
+    return _interleaved(rank, num_stages, pipeline_size, micro_batches, zero_bubble=False)
 
 
-def interleaved_zero_bubble(rank: int, num_stages: int, pipeline_size: int, num_microbatches: int) -> list[Action]:
+def interleaved_zero_bubble(rank: int, num_stages: int, pipeline_size: int, micro_batches: int) -> list[Action]:
     """The order of ScheduleInterleavedZeroBubble on `rank`: backwards split into I, with W lagging `rank` behind.
 
     >>> " ".join(map(str, interleaved_zero_bubble(1, 4, 2, 2)))
     '1F0 1F1 3F0 3I0 3F1 3I1 3W0 1I0 3W1 1I1 1W0 1W1'
     """
-    return _interleaved(rank, num_stages, pipeline_size, num_microbatches, zero_bubble=True)
+    return _interleaved(rank, num_stages, pipeline_size, micro_batches, zero_bubble=True)
 
 
-def _interleaved(rank: int, num_stages: int, pipeline_size: int, num_microbatches: int,
+def _interleaved(rank: int, num_stages: int, pipeline_size: int, micro_batches: int,
                  zero_bubble: bool) -> list[Action]:
     num_local_stages = num_stages // pipeline_size
-    per_round = microbatches_per_round(num_microbatches, pipeline_size)
-    num_ops = num_local_stages * num_microbatches  # forwards on this rank, and as many backwards
+    per_round = micro_batches_per_round(micro_batches, pipeline_size)
+    num_ops = num_local_stages * micro_batches  # forwards on this rank, and as many backwards
     # The last rank warms up with all but one local stage's first round; each hop towards rank 0 adds 2
     # forwards (1 for zero bubble, whose W ops fill the gaps instead).
     forwards_per_hop = 1 if zero_bubble else 2
@@ -81,4 +81,4 @@ def _numbered(stages: list[int], op: str) -> list[Action]:
 
 
 def _weight_of(backward: Action) -> Action:
-    return Action(backward.stage, BACKWARD_WEIGHT, backward.microbatch)
+    return Action(backward.stage, BACKWARD_WEIGHT, backward.micro_batch)

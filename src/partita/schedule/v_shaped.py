@@ -16,7 +16,7 @@ from partita.schedule.action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FU
 F, B, I, W = FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
 
 
-def zbv_zero_bubble(rank: int, num_stages: int, pipeline_size: int, num_microbatches: int) -> list[Action]:
+def zbv_zero_bubble(rank: int, num_stages: int, pipeline_size: int, micro_batches: int) -> list[Action]:
     """The order of ScheduleZBVZeroBubble on `rank`.
 
     >>> " ".join(map(str, zbv_zero_bubble(0, 2, 1, 2)))
@@ -24,7 +24,7 @@ def zbv_zero_bubble(rank: int, num_stages: int, pipeline_size: int, num_microbat
     """
     P, down, up = pipeline_size, rank, num_stages - 1 - rank
     # torch plans at least a full V (2P - 1 micro-batches) and then drops the actions of the extra ones
-    num_planned = max(2 * P - 1, num_microbatches)
+    num_planned = max(2 * P - 1, micro_batches)
     order: list[Action] = []
     count: Counter[tuple[int, str]] = Counter()
 
@@ -51,10 +51,10 @@ def zbv_zero_bubble(rank: int, num_stages: int, pipeline_size: int, num_microbat
         run((up, W))
     while count[down, W] < count[down, I]:
         run((down, W))
-    return [a for a in order if a.microbatch < num_microbatches]
+    return [a for a in order if a.micro_batch < micro_batches]
 
 
-def dual_pipe_v(rank: int, num_stages: int, pipeline_size: int, num_microbatches: int) -> list[Action]:
+def dual_pipe_v(rank: int, num_stages: int, pipeline_size: int, micro_batches: int) -> list[Action]:
     """The order of ScheduleDualPipeV on `rank`; B and I share one count of backwards per stage.
 
     >>> " ".join(map(str, dual_pipe_v(0, 2, 1, 2)))
@@ -86,7 +86,7 @@ def dual_pipe_v(rank: int, num_stages: int, pipeline_size: int, num_microbatches
         run(up, I)
         run_pending_weight()
         run(up, F)
-    for _ in range(num_microbatches - 2 * P + rank + 1):
+    for _ in range(micro_batches - 2 * P + rank + 1):
         run(down, F)
         run(up, B)
         run(up, F)

@@ -4,7 +4,7 @@ Pure Python; torch is never imported here.
 """
 
 from partita.sim.costs import StageCosts
-from partita.sim.engine import simulate
+from partita.sim.simulate import simulate
 from partita.sim.trace import Event, Trace
 
 __all__ = ["Event", "StageCosts", "Trace", "simulate"]

@@ -78,7 +78,7 @@ def timeline_boxes(trace: Trace) -> list[Box]:
             shades = COLOURS[event.op]
             colour = shades[local_index[event.stage] % len(shades)]
             boxes.append(Box(event.start_s, width, event.rank * ROW_HEIGHT, COMPUTE_HEIGHT, colour,
-                             str(event.microbatch)))
+                             str(event.micro_batch)))
     return boxes
 
 

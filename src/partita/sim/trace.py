@@ -23,7 +23,7 @@ class Event(NamedTuple):
     rank: int
     stage: int
     op: str
-    microbatch: int
+    micro_batch: int
     start_s: float
     end_s: float
 
@@ -41,7 +41,7 @@ class Trace:
     >>> trace.makespan_s, trace.step_s, trace.busy_s, round(trace.bubble_fraction, 3)
     (9.0, 9.5, (6.0, 6.0), 0.333)
     >>> trace.events[0]
-    Event(rank=0, stage=0, op='F', microbatch=0, start_s=0.0, end_s=1.0)
+    Event(rank=0, stage=0, op='F', micro_batch=0, start_s=0.0, end_s=1.0)
     """
 
     step_s: float  # makespan_s + the longest tail: no rank starts its tail before the pipeline drains
@@ -64,8 +64,8 @@ class Trace:
         """Compute events rank by rank in order, then the transfers that take time, then the tails."""
         computes, transfers = [], []
         for rank, (order, starts, ends) in enumerate(zip(self.orders, self.starts_s, self.ends_s)):
-            for (stage, op, microbatch), start, end in zip(order, starts, ends):
-                computes.append(Event(rank, stage, op, microbatch, start, end))
+            for (stage, op, micro_batch), start, end in zip(order, starts, ends):
+                computes.append(Event(rank, stage, op, micro_batch, start, end))
                 if op == FORWARD:
                     send, kind = self.send_activations_s[stage], SEND_ACTIVATIONS
                 elif op in (FULL_BACKWARD, BACKWARD_INPUT):
@@ -73,7 +73,7 @@ class Trace:
                 else:
                     continue
                 if send:
-                    transfers.append(Event(rank, stage, kind, microbatch, end, end + send))
+                    transfers.append(Event(rank, stage, kind, micro_batch, end, end + send))
         tails = [Event(rank, -1, TAIL, -1, self.makespan_s, self.makespan_s + t)
                  for rank, t in enumerate(self.tail_s) if t]
         return tuple(computes + transfers + tails)
@@ -100,4 +100,4 @@ class Trace:
 def _label(event: Event) -> str:
     if event.op == TAIL:
         return "all-reduce + optimizer step"
-    return f"{event.stage}{event.op}{event.microbatch}"
+    return f"{event.stage}{event.op}{event.micro_batch}"

@@ -218,7 +218,7 @@ def layout(plan_file) -> tuple:
     estimates, which hold the planner's own run time."""
     plan = json.loads(Path(plan_file).read_text())
     stages = [(tuple(s["blocks"]), tuple(s["ranks"]), s["recompute"]) for s in plan["stages"]]
-    return plan["schedule"], plan["num_microbatches"], stages
+    return plan["schedule"], plan["micro_batches"], stages
 
 
 def save_written_by_every_rank(ckpt: Path, step: int, ranks: int) -> Path | None:

@@ -50,7 +50,7 @@ def simulate(orders: Sequence[Sequence[Action]], costs: StageCosts, tail_s: Sequ
                   BACKWARD_INPUT: costs.backward_input_s, BACKWARD_WEIGHT: costs.backward_weight_s}
     last_stage = num_stages - 1
 
-    # Per kind of input, keyed by microbatch * num_stages + stage of the stage that consumes it: when the
+    # Per kind of input, keyed by micro_batch * num_stages + stage of the stage that consumes it: when the
     # input reaches that stage's rank, and which rank is parked waiting for it.
     on_activations: tuple[dict[int, float], dict[int, int]] = ({}, {})
     on_gradients: tuple[dict[int, float], dict[int, int]] = ({}, {})
@@ -66,8 +66,8 @@ def simulate(orders: Sequence[Sequence[Action]], costs: StageCosts, tail_s: Sequ
         clock = ends[-1] if ends else 0.0
         busy = busy_s[rank]
         for position in range(len(starts), len(order)):
-            stage, op, microbatch = order[position]
-            key = microbatch * num_stages + stage
+            stage, op, micro_batch = order[position]
+            key = micro_batch * num_stages + stage
             # wait for the input: W needs none, nor does stage 0's F
             inputs_at_s, parked = waits_on[op]
             if inputs_at_s is not None and (stage or op != FORWARD):

@@ -6,6 +6,9 @@ SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 LOOPED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
+# every rank runs all its forwards before its first backward: these can run when the user's own code computes
+# the loss between the forward and the backward (tests/unit/test_schedule.py checks this against the orders)
+FORWARDS_FIRST_SCHEDULES = ("GPipe", "LoopedBFS")
 
 
 def stages_per_rank(schedule: str) -> int:

@@ -22,7 +22,7 @@ import uuid
 from partita import settings
 from partita.errors import LaunchError
 from partita.launch.threads import cores_per_rank, usable_cores
-from partita.morph.stop import RESUME_EXIT_CODE
+from partita.elasticity.stop import RESUME_EXIT_CODE
 
 # The agent stops the ranks with the signal it received, for these. torch's list lacks SIGUSR1 (a preemption
 # notice, Slurm's warning before the time limit), which would kill this command without the ranks saving.

@@ -36,7 +36,7 @@ from partita import checkpoint, settings
 from partita.checkpoint import layout
 from partita.checkpoint.collective import from_rank0, together
 from partita.checkpoint.manifest import read_manifest
-from partita.morph.stop import RESUME_EXIT_CODE, StopRequest
+from partita.elasticity.stop import RESUME_EXIT_CODE, StopRequest
 from partita.errors import CheckpointError, PartitaError
 from partita.launch import env
 

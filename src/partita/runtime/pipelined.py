@@ -119,8 +119,8 @@ class Engine:
                 "(a DistributedSampler does; a last short batch is then equally short on every rank). A "
                 "data-parallel plan (stages=1) weighs batches of different sizes by their rows instead.")
         local = rows[p.rank]
-        check_batch(local * p.replica.size, plan.num_microbatches, plan.num_replicas, p.world_size)
-        return local, local * p.replica.size // plan.num_microbatches
+        check_batch(local * p.replica.size, plan.micro_batches, plan.num_replicas, p.world_size)
+        return local, local * p.replica.size // plan.micro_batches
 
     def _gather_inputs(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
         p = self.place
@@ -167,7 +167,7 @@ class Engine:
         losses = pipe.step(tuple(inputs or ()), target_rows[0] if target_rows else None)
         fresh = self.grads.take(saved)
         mean = reduction == "mean"
-        denominator = plan.num_replicas * plan.num_microbatches if mean else 1
+        denominator = plan.num_replicas * plan.micro_batches if mean else 1
         total = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=p.device)
         value = self._global_sum(total.to(torch.float32).reshape(())) / denominator
         input_grads = self._scatter_input_grads(inputs, tensors, 1.0 / denominator)
@@ -185,13 +185,13 @@ class Engine:
         has_backward = grad and self.cap.training and loss_fn is None
         pipe = self._pipeline(mb_rows, has_backward, None)
         inputs = self._gather_inputs(tensors)
-        microbatches = None
+        micro_batches = None
         if inputs is not None:
-            chunks = [_split_rows(t, plan.num_microbatches) for t in inputs]
-            microbatches = [tuple(c[m] for c in chunks) for m in range(plan.num_microbatches)]
+            chunks = [_split_rows(t, plan.micro_batches) for t in inputs]
+            micro_batches = [tuple(c[m] for c in chunks) for m in range(plan.micro_batches)]
         ctx = torch.enable_grad() if has_backward else torch.no_grad()
         with ctx:
-            outs = pipe.forward(microbatches)
+            outs = pipe.forward(micro_batches)
         if loss_fn is not None:
             target_rows = p.replica.gather_rows([target], p.last_rank)
             return self._eval_loss(outs, target_rows, loss_fn, reduction)
@@ -207,11 +207,11 @@ class Engine:
         p, plan = self.place, self.plan
         total = torch.zeros((), device=p.device)
         if outs is not None:
-            targets = _split_rows(target_rows[0], plan.num_microbatches)
+            targets = _split_rows(target_rows[0], plan.micro_batches)
             with torch.no_grad():
                 total = sum(loss_fn(self._unflatten(list(o)), t).float() for o, t in zip(outs, targets))
         total = self._global_sum(total.detach().reshape(()).clone())
-        return total / (plan.num_replicas * plan.num_microbatches) if reduction == "mean" else total
+        return total / (plan.num_replicas * plan.micro_batches) if reduction == "mean" else total
 
     def _route_outputs(self, outs, local_rows: int) -> list[torch.Tensor]:
         """Each rank's rows of every batched output; scalar outputs as their global mean."""
@@ -230,7 +230,7 @@ class Engine:
         for k in scalars:
             val = self.out_nodes[k].meta["val"]
             s = sum(o[k].detach() for o in outs) if outs is not None else torch.zeros((), dtype=val.dtype, device=p.device)
-            leaves[k] = self._global_sum(s.clone()) / (plan.num_replicas * plan.num_microbatches)
+            leaves[k] = self._global_sum(s.clone()) / (plan.num_replicas * plan.micro_batches)
         return leaves
 
     def _unflatten(self, tensor_leaves: list):
@@ -301,8 +301,8 @@ class _PendingBackward:
         rows = p.replica.gather_rows(local, p.last_rank)
         losses = None
         if self.outs is not None:
-            per_mb = [_split_rows(r, plan.num_microbatches) for r in rows]
-            weight = 1.0 / (plan.num_replicas * plan.num_microbatches)
+            per_mb = [_split_rows(r, plan.micro_batches) for r in rows]
+            weight = 1.0 / (plan.num_replicas * plan.micro_batches)
             losses = []
             for m, out in enumerate(self.outs):
                 terms = [(out[k] * g[m]).sum() for k, g in zip(batched, per_mb) if out[k].requires_grad]

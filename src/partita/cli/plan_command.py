@@ -44,7 +44,7 @@ def run(args) -> int:
     from partita.capture.meta import meta_graph
     from partita.cluster import parse_cluster
     from partita.graph.profile import roofline_profile
-    from partita.plan import choose_plan
+    from partita.plan import Constraints, choose_plan
     from partita.plan.choose import simulate_plan
     from partita.sim.timeline import draw_timeline
 
@@ -59,8 +59,8 @@ def run(args) -> int:
         profile = roofline_profile(graph, cluster.device, args.dtype)
         factor = OPTIMIZERS[args.optimizer]
         plan = choose_plan(graph, profile, cluster, global_batch=args.batch, optimizer_factor=factor,
-                           stages=args.stages, replicas=args.replicas, micro_batches=args.micro_batches,
-                           schedule=args.schedule)
+                           constraints=Constraints(stages=args.stages, replicas=args.replicas,
+                                                   micro_batches=args.micro_batches, schedule=args.schedule))
         planned = time.perf_counter()
     except PartitaError as e:
         print(f"partita plan: {e}", file=sys.stderr)

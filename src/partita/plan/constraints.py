@@ -1,0 +1,34 @@
+"""`Constraints`: what the user fixed of a plan, one value from `parallelize` to `choose_plan`.
+
+Each field left None is the planner's to choose. A later parallelism adds its field here (and its keyword to
+`parallelize`); nothing between the two changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from partita.schedule.catalog import FORWARDS_FIRST_SCHEDULES
+
+
+@dataclass(frozen=True)
+class Constraints:
+    stages: int | None = None
+    replicas: int | None = None
+    micro_batches: int | None = None
+    schedule: str | None = None
+    recompute: bool | None = None
+    # the user's code computes the loss from the outputs partita returns (parallelize without loss_fn), so
+    # every micro-batch's forward ends before the first backward starts: only schedules that run in that
+    # order (FORWARDS_FIRST_SCHEDULES) can be what runs
+    user_loss: bool = False
+
+    def choices(self) -> dict:
+        """The fields the user fixed, by name (for messages and for comparing with a plan)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "user_loss" and getattr(self, f.name) is not None}
+
+    def allows_schedule(self, schedule: str) -> bool:
+        if self.schedule is not None and schedule != self.schedule:
+            return False
+        return not self.user_loss or schedule in FORWARDS_FIRST_SCHEDULES
