@@ -26,6 +26,43 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+_WEIGHTS = ("params", "grads", "optimizer")
+_STAGE_KINDS = _WEIGHTS + ("activations", "buffers")
+
+
+def _holders(plan) -> dict[tuple[int, ...], list[int]]:
+    """The stages each group of ranks holds (several for looped and V-shaped schedules), by their ranks."""
+    held: dict[tuple[int, ...], list[int]] = {}
+    for s in plan.stages:
+        held.setdefault(tuple(s.ranks), []).append(s.index)
+    return held
+
+
+def rank_memory(plan) -> list[tuple[int, int, int, int | None, int] | None]:
+    """Per stage, the bytes its row shows: (params+grads+optim, activations, buffers, process, memory/rank), or
+    None when the plan has no memory estimate. `process` is what the process uses besides its stages, once per
+    rank: it is on the first row of the stages a rank holds and None on the others, so that the rows of a rank's
+    stages add up to its memory/rank."""
+    held = _holders(plan)
+    out: list = []
+    for s in plan.stages:
+        m = s.memory
+        if not m:
+            out.append(None)
+            continue
+        together = held[tuple(s.ranks)]
+        if s.index != together[0]:
+            process = None
+        elif "overhead" in m:
+            process = int(m["overhead"])
+        else:  # a plan saved before the overhead was recorded: what the rank's total leaves over
+            process = s.memory_bytes - sum(int(plan.stages[t].memory.get(k, 0)) for t in together
+                                           for k in _STAGE_KINDS)
+        out.append((sum(int(m.get(k, 0)) for k in _WEIGHTS), int(m.get("activations", 0)),
+                    int(m.get("buffers", 0)), process, int(s.memory_bytes)))
+    return out
+
+
 def explain(plan) -> str:
     """The plan as a table: one row per stage, then the estimate and why it was chosen.
 
@@ -40,18 +77,31 @@ def explain(plan) -> str:
             f"{plan.micro_batches} micro-batch{'es' if plan.micro_batches > 1 else ''}, "
             f"world {plan.world_size}")
     rows = [("stage", "blocks", "first .. last node", "ranks", "params", "fwd/mb", "bwd/mb", "recompute",
-             "params+grads+optim", "activations", "buffers", "memory/rank", "send/mb", "all-reduce")]
-    for s in plan.stages:
-        m = s.memory
+             "params+grads+optim", "activations", "buffers", "process", "memory/rank", "send/mb", "all-reduce")]
+    memory, held = rank_memory(plan), _holders(plan)
+    for s, mem in zip(plan.stages, memory):
+        if mem is None:
+            columns = ("-", "-", "-", "-", size(s.memory_bytes))
+        else:
+            weights, acts, buffers, process, total = mem
+            columns = (size(weights), size(acts), size(buffers),
+                       size(process) if process is not None else f"in stage {held[tuple(s.ranks)][0]}", size(total))
         rows.append((
             str(s.index), f"{s.blocks[0]}-{s.blocks[1] - 1}", f"{s.first_node} .. {s.last_node}",
             ",".join(map(str, s.ranks)), f"{s.num_params} ({size(s.param_bytes)})",
             seconds(s.fwd_s), seconds(s.bwd_s), "yes" if s.recompute else "no",
-            size(m.get("params", 0) + m.get("grads", 0) + m.get("optimizer", 0)) if m else "-",
-            size(m.get("activations", 0)) if m else "-", size(m.get("buffers", 0)) if m else "-",
-            size(s.memory_bytes), seconds(s.send_s), seconds(s.allreduce_s),
+            *columns, seconds(s.send_s), seconds(s.allreduce_s),
         ))
     lines = [head] + _table(rows)
+    if any(m is not None for m in memory):
+        lines.append("memory/rank = params+grads+optim + activations + buffers + process: what the process uses "
+                     "besides its stages (libraries, device context; when measured, also the whole model, which "
+                     "every rank keeps)")
+        for ranks, indices in held.items():
+            if len(indices) > 1:
+                names = ", ".join(map(str, indices[:-1])) + f" and {indices[-1]}"
+                lines.append(f"ranks {','.join(map(str, ranks))} hold stages {names}: memory/rank is the sum of "
+                             f"their rows, with the process counted once (stage {indices[0]})")
     e = plan.estimate
     if e is not None:
         lines.append(
