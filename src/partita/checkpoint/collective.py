@@ -6,13 +6,14 @@ timeout; here each step's outcome is exchanged, and every rank raises the same C
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Callable, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from partita.errors import CheckpointError, PartitaError
+from partita.errors import CheckpointError, PartitaError, RankError
 
 T = TypeVar("T")
 
@@ -21,18 +22,25 @@ def _distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _describe(e: BaseException) -> str:
-    return str(e) if isinstance(e, PartitaError) else f"{type(e).__name__}: {e}"
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
 
 
-def _raise_for(problems: dict[int, str], what: str, cause: BaseException | None) -> None:
-    if not problems:
+def _problem(problem: BaseException | None) -> RankError | None:
+    """This rank's problem as data for the other ranks."""
+    return None if problem is None else RankError.of(_rank(), problem)
+
+
+def _raise_for(problems: list[RankError | None], what: str, cause: BaseException | None) -> None:
+    """One CheckpointError naming each failing rank's cause (ranks that failed alike together)."""
+    failed = sorted((p for p in problems if p is not None), key=lambda p: p.rank)
+    if not failed:
         return
     if not _distributed():
-        raise CheckpointError(f"{what}: {problems[min(problems)]}") from cause
+        raise CheckpointError(f"{what}: {failed[0].message}") from cause
     by_text: dict[str, list[int]] = {}
-    for rank, text in sorted(problems.items()):
-        by_text.setdefault(text, []).append(rank)
+    for p in failed:
+        by_text.setdefault(p.message, []).append(p.rank)
     detail = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {t}" for t, r in by_text.items())
     raise CheckpointError(f"{what}: {detail}") from cause
 
@@ -55,8 +63,7 @@ def _all_gather(value) -> list:
 def together(step: Callable[[], T], what: str) -> T:
     """Run `step` on every rank; if it failed anywhere, raise the same CheckpointError everywhere."""
     result, problem = _attempt(step)
-    texts = _all_gather(None if problem is None else _describe(problem))
-    _raise_for({r: t for r, t in enumerate(texts) if t is not None}, what, problem)
+    _raise_for(_all_gather(_problem(problem)), what, problem)
     return result
 
 
@@ -64,8 +71,8 @@ def every_rank(step: Callable[[], T], what: str) -> list[T]:
     """Run `step` on every rank; every rank gets every rank's result (picklable, in rank order), or the same
     CheckpointError if it failed anywhere."""
     result, problem = _attempt(step)
-    pairs = _all_gather((result, None if problem is None else _describe(problem)))
-    _raise_for({r: t for r, (_, t) in enumerate(pairs) if t is not None}, what, problem)
+    pairs = _all_gather((result, _problem(problem)))
+    _raise_for([p for _, p in pairs], what, problem)
     return [value for value, _ in pairs]
 
 
@@ -77,10 +84,10 @@ def from_rank0(step: Callable[[], T], what: str) -> T:
             result = step()
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             problem = e
-    message = [result, None if problem is None else _describe(problem)]
+    message = [result, _problem(problem)]
     if _distributed():
         dist.broadcast_object_list(message, src=0)
-    _raise_for({0: message[1]} if message[1] is not None else {}, what, problem)
+    _raise_for([message[1]], what, problem)
     return message[0]
 
 
@@ -93,7 +100,11 @@ def dcp_step(step: Callable[[], T], what: str, hint: str) -> T:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             return step()
     except CheckpointException as e:
-        causes = {rank: _describe(exc) if isinstance(exc, PartitaError) else f"{_describe(exc)}. {hint}"
-                  for rank, (exc, _) in e.failures.items()}
-        _raise_for(causes, what, None)
+        _raise_for([_dcp_cause(rank, exc, hint) for rank, (exc, _) in e.failures.items()], what, None)
         raise
+
+
+def _dcp_cause(rank: int, exc: BaseException, hint: str) -> RankError:
+    """A rank's cause of a DCP failure, with `hint` after a cause partita did not name."""
+    cause = RankError.of(rank, exc)
+    return cause if isinstance(exc, PartitaError) else dataclasses.replace(cause, message=f"{cause.message}. {hint}")

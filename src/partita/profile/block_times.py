@@ -22,7 +22,7 @@ from torch import fx
 
 from partita.capture.export import CapturedGraph
 from partita.capture.split import StageGraph, split
-from partita.errors import PartitaError
+from partita.errors import RankError, first_error
 from partita.graph import Block, BlockCost, Fit, ModelGraph
 
 REPEATS = 5  # timed samples per measurement; the median is kept
@@ -241,7 +241,7 @@ def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, devi
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     turns = -(-local_world // at_once) if at_once else 1
-    results: dict | tuple = {}
+    results: dict | RankError = {}
     failure = None
     for turn in range(turns):
         if not at_once or local_rank // at_once == turn:
@@ -249,7 +249,7 @@ def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, devi
                 results = _measure_share(cap, graph, first_of, mine, local_batch, device,
                                          show_progress and rank == 0, len(signatures), world)
             except Exception as e:  # noqa: BLE001 - the other ranks must hear of it, not wait for this rank
-                failure, results = e, ("failed", f"{type(e).__name__}: {e}")
+                failure, results = e, RankError.of(rank, e)
         if turns > 1 and world > 1:
             dist.barrier()
     every: list = [None] * world
@@ -257,10 +257,10 @@ def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, devi
         dist.all_gather_object(every, results)
     else:
         every = [results]
-    for r, part in enumerate(every):
-        if isinstance(part, tuple):
-            raise PartitaError(f"rank {r} failed while measuring the model's blocks on the inputs of this call: "
-                               f"{part[1]}") from failure
+    error = first_error([part for part in every if isinstance(part, RankError)], world,
+                        failed_while="measuring the model's blocks on the inputs of this call")
+    if error is not None:
+        raise error from failure
     if rank != 0:
         return {}
     merged = {}
