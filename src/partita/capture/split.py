@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from partita.capture.export import CapturedGraph
-from partita.errors import PlanError
+from partita.errors import InternalError, PlanError
 
 _DROPPED = {
     torch.ops.aten._assert_tensor_metadata.default,
@@ -98,9 +98,9 @@ def split(cap: CapturedGraph, stage_of_unit: list[int], num_stages: int) -> list
     """Build one module per stage; `stage_of_unit[i]` is the stage of unit i (non-decreasing)."""
     groups = units(cap)
     if len(stage_of_unit) != len(groups):
-        raise PlanError(f"the plan assigns {len(stage_of_unit)} blocks, the graph has {len(groups)}")
+        raise InternalError(f"split was given stages for {len(stage_of_unit)} units, the graph has {len(groups)}")
     if any(b < a for a, b in zip(stage_of_unit, stage_of_unit[1:])):
-        raise PlanError("stages must be contiguous ranges of blocks, in graph order")
+        raise InternalError(f"split was given stages that decrease along the graph: {stage_of_unit}")
     stage_of: dict[str, int] = {}
     local: list[list[fx.Node]] = [[] for _ in range(num_stages)]
     for group, s in zip(groups, stage_of_unit):
@@ -227,7 +227,7 @@ def _build(cap, s, nodes, inputs, outputs, kinds, substitute, is_last) -> StageG
         elif kind == "free":
             new = graph.node_copy(node, get)
         else:
-            raise PlanError(f"internal: stage {s} reads '{node.name}' but nothing provides it")
+            raise InternalError(f"stage {s} reads '{node.name}' ({kind}) but nothing provides it")
         new.meta = dict(node.meta)
         env[node.name] = new
         return new

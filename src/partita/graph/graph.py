@@ -12,6 +12,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from partita.errors import InternalError
+
 
 @dataclass(frozen=True)
 class Fit:
@@ -44,7 +46,8 @@ class Fit:
         if len(self.lines) == 1 and len(other.lines) == 1:
             (f1, p1), (f2, p2) = self.lines[0], other.lines[0]
             return Fit.line(f1 + f2, p1 + p2)
-        raise TypeError("only single lines add; evaluate roofline fits with .at(rows) first")
+        raise InternalError(f"only single lines add, got fits of {len(self.lines)} and {len(other.lines)} lines; "
+                            "evaluate roofline fits with .at(rows) first")
 
     def scaled(self, k: float) -> "Fit":
         return Fit(tuple((f * k, p * k) for f, p in self.lines))
