@@ -10,9 +10,8 @@ The planner (`partita.plan`, `partita.Plan`) is pure Python: importing it does n
 
 from importlib import import_module
 
-from partita.errors import (BatchError, CaptureError, CheckpointError, LaunchError, PartitaError, PlanError,
-                            SettingsError)
-from partita.plan.plan import Plan, StagePlan
+from partita.errors import BatchError, PartitaError
+from partita.plan.plan import Plan
 
 # Names that need torch load on first use, so that planning-only code (and `partita plan`) stays light.
 _LAZY = {
@@ -21,12 +20,19 @@ _LAZY = {
     "barrier": "partita.launch.env", "shutdown": "partita.launch.env",
     "save": "partita.checkpoint.saving", "load": "partita.checkpoint.loading",
     "latest_checkpoint": "partita.checkpoint.layout",
-    "elastic": "partita.elasticity.loop", "Elastic": "partita.elasticity.loop", "RESUME_EXIT_CODE": "partita.elasticity.stop",
+    "elastic": "partita.elasticity.loop",
 }
 
-__all__ = sorted(["BatchError", "CaptureError", "CheckpointError", "LaunchError", "PartitaError", "Plan", "PlanError",
-                  "SettingsError", "StagePlan", *_LAZY])
+# What a training script uses every day; the rest lives in its module.
+__all__ = sorted(["BatchError", "PartitaError", "Plan", *_LAZY])
 __version__ = "0.1.0"
+
+# Names this package once had, and the module that has them, for the error that says so.
+_ELSEWHERE = {
+    "CaptureError": "partita.errors", "CheckpointError": "partita.errors", "LaunchError": "partita.errors",
+    "PlanError": "partita.errors", "SettingsError": "partita.errors", "StagePlan": "partita.plan",
+    "Elastic": "partita.elasticity.loop", "RESUME_EXIT_CODE": "partita.elasticity.stop",
+}
 
 
 def __getattr__(name: str):
@@ -34,6 +40,9 @@ def __getattr__(name: str):
         value = getattr(import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _ELSEWHERE:
+        raise AttributeError(f"module 'partita' has no attribute {name!r}: it is {_ELSEWHERE[name]}.{name} "
+                             f"(from {_ELSEWHERE[name]} import {name})")
     raise AttributeError(f"module 'partita' has no attribute {name!r}")
 
 

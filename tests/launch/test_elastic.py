@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import partita
+from partita.elasticity.stop import RESUME_EXIT_CODE
 from launch.daemons import free_port
 from launch.harness import BIN, SCRIPT, by_step, check, env, losses, output, rank0_logs
 from launch.train_script import make_model, make_optimizer
@@ -197,7 +198,7 @@ def test_ranks_that_see_different_checkpoints_stop_at_once_and_say_why(tmp_path)
 
 def assert_stopped_and_saved(job: subprocess.Popen, stdout: str, stderr: str, run_dir: Path) -> int:
     """The command exited with the resume status after the ranks saved the step after their last one; that step."""
-    assert job.returncode == partita.RESUME_EXIT_CODE == 75, f"exit {job.returncode}\n{stdout}\n{stderr}"
+    assert job.returncode == RESUME_EXIT_CODE == 75, f"exit {job.returncode}\n{stdout}\n{stderr}"
     assert "stopped to be resumed" in stderr
     done = losses(run_dir)[-1]["step"] + 1
     assert partita.latest_checkpoint(run_dir / "ckpt") == str(run_dir / "ckpt" / f"step-{done:06d}")

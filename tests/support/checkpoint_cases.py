@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import partita
 from partita.checkpoint.holding import holding_of
+from partita.errors import CheckpointError
 from support.cases import _optimizer
 from support.zoo import CASES
 
@@ -166,7 +167,7 @@ def failures(scenario: str, root: str) -> dict:
             partita.load(pm, opt, root)
         else:
             raise KeyError(scenario)
-    except partita.CheckpointError as e:
+    except CheckpointError as e:
         return {"error": type(e).__name__, "message": str(e)}
     return {"error": None}
 

@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 import partita
 from partita.checkpoint import export, latest_checkpoint
 from partita.cli.main import main as cli
+from partita.errors import CheckpointError
 from support.checkpoint_cases import trained
 from support.zoo import CASES, TiedEmbedding
 
@@ -79,9 +80,9 @@ def test_malicious_metadata_is_refused_without_running_it(saved, tmp_path):
     marker = tmp_path / "pwned"
     (path / ".metadata").write_bytes(pickle.dumps(RunsShell(f"touch {marker}"), protocol=4))
     fresh, opt = trained(seed=7)
-    with pytest.raises(partita.CheckpointError, match=r"refused to load .*\.metadata.*posix\.system"):
+    with pytest.raises(CheckpointError, match=r"refused to load .*\.metadata.*posix\.system"):
         partita.load(fresh, opt, root)
-    with pytest.raises(partita.CheckpointError, match="refused"):
+    with pytest.raises(CheckpointError, match="refused"):
         export(root, tmp_path / "out.pt")
     assert not marker.exists()
     with open(path / ".metadata", "rb") as f:  # the payload is live: plain pickle, as DCP uses, runs it
@@ -103,7 +104,7 @@ def test_malicious_item_is_refused_without_running_it(saved, tmp_path):
     del manifest["checksums"]  # a forger who knows the format leaves no checksum to contradict the files
     (forged / "manifest.json").write_text(json.dumps(manifest))
     fresh = CASES["tied_embedding"].make()
-    with pytest.raises(partita.CheckpointError, match="refused to load the checkpoint's item 'step'"):
+    with pytest.raises(CheckpointError, match="refused to load the checkpoint's item 'step'"):
         partita.load(fresh, None, forged)
     assert not marker.exists()
 
@@ -146,7 +147,7 @@ def test_damaged_checkpoint_gets_a_clear_error(saved, damage, message):
     root, path, _ = saved
     damage(path)
     fresh, opt = trained(seed=7)
-    with pytest.raises(partita.CheckpointError, match=message):
+    with pytest.raises(CheckpointError, match=message):
         partita.load(fresh, opt, path)
 
 
@@ -161,7 +162,7 @@ def test_foreign_checkpoint_gets_a_clear_error(saved, make, optimizer, message):
     root, _, _ = saved
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd" else None
-    with pytest.raises(partita.CheckpointError, match=message):
+    with pytest.raises(CheckpointError, match=message):
         partita.load(model, opt, root)
 
 
@@ -173,7 +174,7 @@ def test_foreign_checkpoint_gets_a_clear_error(saved, make, optimizer, message):
 def test_no_checkpoint_there(saved, make_path, message):
     root, _, _ = saved
     model, opt = trained()
-    with pytest.raises(partita.CheckpointError, match=message):
+    with pytest.raises(CheckpointError, match=message):
         partita.load(model, opt, make_path(root))
 
 

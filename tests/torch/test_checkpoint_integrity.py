@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 import partita
 from partita.checkpoint import checksums, export
 from partita.cli.main import main as cli
+from partita.errors import CheckpointError
 from support.checkpoint_cases import trained
 from support.zoo import CASES
 
@@ -82,11 +83,11 @@ def test_a_value_changed_in_place_is_refused_and_the_previous_checkpoint_offered
                 rf"previous checkpoint instead: {re.escape(str(root / 'step-000005'))}")
     fresh, opt = trained(seed=7)
     before = {n: t.clone() for n, t in fresh.state_dict().items()}
-    with pytest.raises(partita.CheckpointError, match=expected):
+    with pytest.raises(CheckpointError, match=expected):
         partita.load(fresh, opt, root)
     for name, value in before.items():  # refused before anything was read
         assert torch.equal(fresh.state_dict()[name], value), name
-    with pytest.raises(partita.CheckpointError, match=expected):
+    with pytest.raises(CheckpointError, match=expected):
         export(root, tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
     assert partita.load(fresh, opt, root / "step-000005").step == 5  # the one offered loads
@@ -98,7 +99,7 @@ def test_without_xxhash_checkpoints_get_crc32_and_are_checked_all_the_same(two_s
     root, latest, _ = two_saved
     monkeypatch.setattr(checksums, "xxhash", None)
     monkeypatch.setattr(checksums, "ALGORITHM", "crc32")
-    with pytest.raises(partita.CheckpointError, match="no xxhash package to compute them: pip install xxhash"):
+    with pytest.raises(CheckpointError, match="no xxhash package to compute them: pip install xxhash"):
         partita.load(trained(seed=7)[0], None, latest)
     model, opt = trained()
     saved = Path(partita.save(model, opt, tmp_path / "crc", step=1))
@@ -106,7 +107,7 @@ def test_without_xxhash_checkpoints_get_crc32_and_are_checked_all_the_same(two_s
     for name, digest in recorded.items():
         assert digest == f"crc32:{zlib.crc32((saved / name).read_bytes()):08x}", name
     overwrite_a_weight(saved, model)
-    with pytest.raises(partita.CheckpointError, match=r"its file __0_0\.distcp changed after it was saved \(checksum "
+    with pytest.raises(CheckpointError, match=r"its file __0_0\.distcp changed after it was saved \(checksum "
                                                       r"crc32:[0-9a-f]{8}, the manifest recorded crc32:"):
         partita.load(model, opt, saved)
 
@@ -122,7 +123,7 @@ def test_the_only_checkpoint_changed_says_there_is_no_earlier_one(tmp_path):
     model, opt = trained()
     path = Path(partita.save(model, opt, tmp_path, step=1))
     overwrite_a_weight(path, model)
-    with pytest.raises(partita.CheckpointError, match=rf"cannot be trusted\. There is no earlier checkpoint under "
+    with pytest.raises(CheckpointError, match=rf"cannot be trusted\. There is no earlier checkpoint under "
                                                       rf"{re.escape(str(tmp_path))}"):
         partita.load(model, opt, tmp_path)
 
@@ -135,7 +136,7 @@ def test_a_changed_metadata_file_is_refused(two_saved):
     content[at + 4] = ord("1")  # the data file's name becomes that of another existing file's, length unchanged
     shutil.copy(latest / "__0_0.distcp", latest / "__0_1.distcp")
     metadata.write_bytes(bytes(content))
-    with pytest.raises(partita.CheckpointError, match=r"its file \.metadata changed after it was saved"):
+    with pytest.raises(CheckpointError, match=r"its file \.metadata changed after it was saved"):
         partita.load(trained()[0], None, latest)
 
 
@@ -181,7 +182,7 @@ def test_elastic_with_no_checkpoint_that_loads_changes_nothing(tmp_path):
     before = sorted(p.name for p in tmp_path.iterdir())
     expected = (rf"partita\.elastic\(path='{re.escape(str(tmp_path))}'\): none of its 2 checkpoint\(s\) can be resumed "
                 r"from, so the job stops \(nothing was renamed or deleted\): .*step-000004: .*step-000002: ")
-    with pytest.raises(partita.CheckpointError, match=expected):
+    with pytest.raises(CheckpointError, match=expected):
         partita.elastic(model, opt, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
@@ -247,9 +248,9 @@ def test_malformed_metadata_is_a_checkpoint_error_naming_the_file(two_saved, tmp
     (latest / ".metadata").write_bytes(pickle.dumps(metadata, protocol=4))
     expected = rf"{re.escape(str(latest / '.metadata'))} is malformed: .*{detail}"
     fresh, opt = trained(seed=7)
-    with pytest.raises(partita.CheckpointError, match=expected):
+    with pytest.raises(CheckpointError, match=expected):
         partita.load(fresh, opt, latest)
-    with pytest.raises(partita.CheckpointError, match=expected):
+    with pytest.raises(CheckpointError, match=expected):
         export(latest, tmp_path / "out.pt")
 
 
@@ -261,7 +262,7 @@ def test_malformed_manifest_is_a_checkpoint_error_naming_the_file(two_saved, fie
     manifest = json.loads((latest / "manifest.json").read_text())
     manifest[field] = value
     (latest / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(partita.CheckpointError, match=rf"{re.escape(str(latest / 'manifest.json'))} is not a "
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(latest / 'manifest.json'))} is not a "
                                                       rf"readable partita manifest \(.*{field}"):
         partita.load(trained()[0], None, latest)
     (root / "latest").unlink()
@@ -292,7 +293,7 @@ def test_a_refused_item_says_what_and_why_without_inviting_to_turn_the_protectio
     manifest = json.loads((latest / "manifest.json").read_text())
     del manifest["checksums"]  # a forger who knows the format leaves no checksum to contradict the files
     (forged / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(partita.CheckpointError) as caught:
+    with pytest.raises(CheckpointError) as caught:
         partita.load(CASES["tied_embedding"].make(), None, forged)
     message = str(caught.value)
     assert not marker.exists()
@@ -316,7 +317,7 @@ class WithOpaqueState(torch.nn.Linear):
 
 
 def test_saving_a_value_that_needs_pickled_code_says_why_without_torchs_advice(tmp_path):
-    with pytest.raises(partita.CheckpointError) as caught:
+    with pytest.raises(CheckpointError) as caught:
         partita.save(WithOpaqueState(2, 2), None, tmp_path, step=1)
     message = str(caught.value)
     assert "holds a value that loads only by running pickled code" in message

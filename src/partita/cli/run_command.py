@@ -7,8 +7,8 @@ ranks, up to N times: each restart is a new attempt, whose ranks join afresh and
 
 SIGTERM and SIGUSR1 (a preemption notice, Slurm's warning before the time limit) to this command go on to every
 rank; ranks that use `partita.elastic` save at the next step boundary and stop. The command then exits with status
-75 (partita.RESUME_EXIT_CODE) if the ranks of its last attempt stopped that way, so that a wrapper can tell "run
-again to resume" from a failure.
+75 (partita.elasticity.stop.RESUME_EXIT_CODE) if the ranks of its last attempt stopped that way, so that a wrapper
+can tell "run again to resume" from a failure.
 """
 
 from __future__ import annotations
