@@ -439,3 +439,24 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
     except partita.PartitaError as e:
         return {"error": type(e).__name__, "message": str(e)}
     return {"error": None}
+
+
+def executed_actions(schedule: str, stages: int, micro_batches: int, style: str) -> dict:
+    """One training step of the MLP under (schedule, stages, micro_batches) in call style `style`: the compute
+    actions this rank's stages ran, in order, and (rank 0) the orders the planner's simulation used."""
+    torch.manual_seed(0)
+    case = CASES["mlp"]
+    model = case.make()
+    loss_fn = case.loss_fn if style == "loss_fn" else None
+    pm = partita.parallelize(model, loss_fn=loss_fn, stages=stages, micro_batches=micro_batches, schedule=schedule)
+    args, kwargs, target = case.batch(8, torch.Generator().manual_seed(partita.get_rank()))
+    if style == "loss_fn":
+        pm(*args, target, **kwargs).backward()
+    else:
+        case.user_loss(pm(*args, **kwargs), target).backward()
+    plan = pm.plan
+    replica = plan.replica_ranks(plan.replica_of(partita.get_rank()))
+    return {"executed": [str(a) for a in pm.runtime.executed()], "position": replica.index(partita.get_rank()),
+            "schedule": plan.schedule,
+            "simulated": [[str(a) for a in order] for order in pm.simulated_step().orders]
+            if partita.get_rank() == 0 else None}

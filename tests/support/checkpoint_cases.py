@@ -108,7 +108,7 @@ def load_and_continue(name: str, root: str, plan: dict, more: int = 2, after_fir
     snapshot = _snapshot(pm, opt)
     losses = [_train_step(pm, opt, case, step) for step in range(info.step, info.step + more)]
     names = {id(p): n for n, p in pm.module.named_parameters()}
-    local = sorted(names[i] for i in pm._local_parameter_ids())
+    local = sorted(pm.held().trains)
     return {"info": {"step": info.step, "extra": info.extra, "world_size": info.world_size,
                      "plan": (info.plan.num_stages, info.plan.num_replicas) if info.plan else None,
                      "rng_restored": info.rng_restored, "path": info.path},

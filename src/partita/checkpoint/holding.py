@@ -20,14 +20,15 @@ where a rank that keeps only its stages would name fewer.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from partita.plan.plan import Plan
+from partita.runtime.run import Held, first_names
 
 
 @dataclass(frozen=True)
@@ -41,40 +42,33 @@ class Holding:
     trains: frozenset[str] | None  # parameters (canonical names) whose optimizer state lives here; None: all
 
 
-def canonical_names(module: nn.Module) -> dict[int, str]:
-    """id(parameter) -> the name optimizer state is saved under: its first name (tied weights have several)."""
-    names: dict[int, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    return names
+@runtime_checkable
+class Partitioned(Protocol):
+    """A model whose ranks each hold part of it current: a partita model (`partita.parallelize`)."""
 
+    module: nn.Module
 
-def _is_partita_model(model: nn.Module) -> bool:
-    # a partita model exists only once partita.api is imported; importing it here would cost seconds
-    api = sys.modules.get("partita.api")
-    return api is not None and isinstance(model, api.ParallelModule)
+    @property
+    def plan(self) -> Plan | None: ...
+
+    def held(self) -> Held | None: ...
 
 
 def holding_of(model: nn.Module) -> Holding:
     """This rank's part in a checkpoint of `model` (a partita model, a DDP module or a plain module)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    partita_model = _is_partita_model(model)
-    if partita_model:
-        module, plan = model.module, model.plan
-    elif isinstance(model, DistributedDataParallel):
-        module, plan = model.module, None
+    held = model.held() if isinstance(model, Partitioned) else None
+    if isinstance(model, (Partitioned, DistributedDataParallel)):
+        module, plan = model.module, getattr(model, "plan", None)
     else:
         module, plan = model, None
-    named = module.state_dict(keep_vars=True)
-    every = frozenset(named)
-    names = canonical_names(module)
-    if partita_model and plan is not None:
-        local = model._local_parameter_ids()
-        writes = frozenset(n for n, t in named.items() if id(t) in local or model._owner.get(n, 0) == rank)
-        trains = frozenset(names[i] for i in local)
+    every = frozenset(module.state_dict(keep_vars=True))
+    if held is not None:
+        writes, trains = held.writes, held.trains
     elif isinstance(model, DistributedDataParallel):
-        writes = frozenset(n for n, t in named.items() if id(t) in names or rank == 0)
+        names = first_names(module)
+        writes = frozenset(n for n, t in module.state_dict(keep_vars=True).items() if id(t) in names or rank == 0)
         trains = None
     else:
         writes = every if rank == 0 else frozenset()

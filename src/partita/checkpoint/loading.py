@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from partita.checkpoint import checksums, keys, optimizer as optimizer_state, rng
 from partita.checkpoint.collective import dcp_step, from_rank0, together
-from partita.checkpoint.holding import Holding, canonical_names, holding_of
+from partita.checkpoint.holding import Holding, holding_of
+from partita.runtime.run import first_names
 from partita.checkpoint.layout import resolve
 from partita.checkpoint.manifest import Manifest, read_manifest
 from partita.checkpoint.unpickling import UNREADABLE, CheckedReader, WeightsOnlyLoadPlanner, data_files, read_metadata
@@ -100,7 +101,7 @@ def _prepare(model, optimizer, directory: Path) -> _Prepared:
     targets: dict = {keys.model(n): (t.detach() if isinstance(t, torch.Tensor) else None)
                      for n, t in current.items() if n in holding.reads}
     if optimizer is not None:
-        names = canonical_names(holding.module)
+        names = first_names(holding.module)
         optimizer_state.check_fits(optimizer, names, manifest.optimizer, manifest.param_groups, str(directory))
         targets.update(optimizer_state.targets(metadata, optimizer, names, holding.trains))
     targets[keys.STEP] = targets[keys.EXTRA] = None
@@ -142,7 +143,7 @@ def _apply(prepared: _Prepared, optimizer) -> CheckpointInfo:
     if plain:  # a module's get_extra_state(); tensors were read in place
         holding.module.load_state_dict(plain, strict=False)
     if optimizer is not None:
-        optimizer_state.apply(optimizer, canonical_names(holding.module), loaded)
+        optimizer_state.apply(optimizer, first_names(holding.module), loaded)
     rng_key = keys.rng(holding.rank)
     if rng_key in loaded:
         rng.restore(loaded[rng_key])

@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from partita.checkpoint import keys, layout, optimizer as optimizer_state, rng
 from partita.checkpoint.checksums import checksums_of
 from partita.checkpoint.collective import dcp_step, every_rank, from_rank0, together
-from partita.checkpoint.holding import Holding, canonical_names, holding_of
+from partita.checkpoint.holding import Holding, holding_of
+from partita.runtime.run import first_names
 from partita.checkpoint.manifest import Manifest, TensorEntry, plan_summary, write_manifest
 from partita.checkpoint.unpickling import METADATA, torch_refusal
 from partita.errors import CheckpointError
@@ -114,7 +115,7 @@ def _local_state(model, optimizer, step, extra, keep) -> tuple[Holding, dict]:
     _check_arguments(model, optimizer, step, extra, keep)
     holding = holding_of(model)
     state: dict = {keys.rng(holding.rank): rng.capture()}
-    names = canonical_names(holding.module)
+    names = first_names(holding.module)
     for name, value in holding.module.state_dict(keep_vars=True).items():
         if name in holding.writes:
             state[keys.model(name)] = value.detach() if isinstance(value, torch.Tensor) else value
@@ -154,7 +155,7 @@ def _finish(root: Path, tmp: Path, holding: Holding, optimizer, step: int, extra
     tensors = {n: TensorEntry(tuple(t.shape), str(t.dtype).removeprefix("torch."))
                for n, t in holding.module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
     plan = holding.plan.to_dict() if holding.plan is not None else None
-    names = canonical_names(holding.module)
+    names = first_names(holding.module)
     manifest = Manifest(
         step=step, world_size=holding.world_size, saved_at=time.time(), partita_version=__version__,
         torch_version=torch.__version__, tensors=tensors, plan=plan,

@@ -18,9 +18,9 @@ from partita.graph import ModelGraph, Profile
 from partita import cache
 from partita.profile.block_times import measure_blocks, profile_rows, stream_bandwidth
 from partita.profile.comm import measure_allreduce, measure_p2p
-from partita.profile.overheads import measure_overheads
+from partita.profile.overheads import Parallelize, measure_overheads
 
-__all__ = ["device_spec", "measure"]
+__all__ = ["Parallelize", "device_spec", "measure"]
 
 MEASUREMENT_VERSION = 6  # part of every cache key: measurements made differently are not reused
 
@@ -58,15 +58,20 @@ def _agreed(flag: bool) -> bool:
 
 
 def measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, local_world_size: int,
-            memory_per_rank: int, show_progress: bool = True) -> tuple[Profile | None, Cluster | None]:
+            memory_per_rank: int, parallelize: Parallelize,
+            show_progress: bool = True) -> tuple[Profile | None, Cluster | None]:
+    """(profile, cluster) on rank 0, (None, None) elsewhere; collective. `parallelize` wraps a model as partita
+    does (its runtime's own costs are measured by training a probe model with it)."""
     # measuring draws random inputs and seeds its own models: the user's random streams (just restored from a
     # checkpoint, perhaps) must come out as they went in
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return _measure(cap, graph, local_batch, device, local_world_size, memory_per_rank, show_progress)
+        return _measure(cap, graph, local_batch, device, local_world_size, memory_per_rank, parallelize,
+                        show_progress)
 
 
 def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, local_world_size: int,
-             memory_per_rank: int, show_progress: bool) -> tuple[Profile | None, Cluster | None]:
+             memory_per_rank: int, parallelize: Parallelize,
+             show_progress: bool) -> tuple[Profile | None, Cluster | None]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     spec = device_spec(device)
@@ -110,7 +115,7 @@ def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loc
         links = {"p2p": p2p and [p2p.latency_s, p2p.bandwidth_bps],
                  "allreduce": allreduce and [allreduce.latency_s, allreduce.bandwidth_bps], "overheads": None}
         if world > 1:  # collective; fitted on rank 0, against the links just measured
-            runtime = measure_overheads(cluster_of(links) if rank == 0 else None, device, at_once)
+            runtime = measure_overheads(cluster_of(links) if rank == 0 else None, device, parallelize, at_once)
             links["overheads"] = runtime and asdict(runtime)
         if rank == 0:
             cache.store("links", links_key, json.dumps(links))

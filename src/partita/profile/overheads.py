@@ -30,6 +30,9 @@ from partita.cluster import Cluster, RuntimeOverheads
 from partita.graph import Profile
 from partita.plan.plan import Plan
 
+# partita.parallelize, as the caller gives it: (model, optimizer, *, loss_fn, plan) -> the parallelized model
+Parallelize = Callable[..., torch.nn.Module]
+
 STEPS = 36  # timed steps per configuration, in ROUNDS turns (the median of the turns is kept)
 ROUNDS = 6
 _WIDTH, _LAYERS, _ROWS = 512, 4, 32  # the probe; a layer's forward of _ROWS rows: ~17 MFLOP, ~0.3 ms on a core
@@ -66,13 +69,11 @@ def _hand_plan(graph, world: int, stages: int, micro_batches: int, schedule: str
                        constraints=Constraints(stages=stages, micro_batches=micro_batches, schedule=schedule))
 
 
-def _step_function(plan: Plan, layers: int = _LAYERS) -> Callable[[], None]:
+def _step_function(parallelize: Parallelize, plan: Plan, layers: int = _LAYERS) -> Callable[[], None]:
     """One training step of the probe under `plan`, ready to be timed."""
-    import partita
-
     model = _probe_model(layers)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    pm = partita.parallelize(model, opt, loss_fn=torch.nn.MSELoss(), plan=plan)
+    pm = parallelize(model, opt, loss_fn=torch.nn.MSELoss(), plan=plan)
     local_batch = plan.local_batch
     x, y = torch.randn(local_batch, _WIDTH), torch.randn(local_batch, _WIDTH)
 
@@ -125,16 +126,18 @@ def _probe_graphs(device: torch.device, at_once: int) -> tuple[dict, dict | None
     return graphs, profiles
 
 
-def measure_overheads(cluster: Cluster | None, device: torch.device, at_once: int = 0) -> RuntimeOverheads | None:
+def measure_overheads(cluster: Cluster | None, device: torch.device, parallelize: Parallelize,
+                      at_once: int = 0) -> RuntimeOverheads | None:
     """Collective: every rank must call it. Rank 0 passes the job's cluster (links measured, no overheads yet)
-    and gets the fitted overheads; the other ranks pass and get None."""
+    and gets the fitted overheads; the other ranks pass and get None. `parallelize` is partita's own (given by
+    the caller: the profiler sits below the API it measures)."""
     world = dist.get_world_size()
     graphs, profiles = _probe_graphs(device, at_once)
     runs = [(d, _hand_plan(graphs[d], world, 1, 1, "GPipe")) for d in DATA_PARALLEL_LAYERS]
     runs += [(_LAYERS, _hand_plan(graphs[_LAYERS], world, stages, m, schedule))
              for stages, schedule, m in _shapes(world)]
     with _quiet():
-        steps = [_step_function(plan, layers) for layers, plan in runs]
+        steps = [_step_function(parallelize, plan, layers) for layers, plan in runs]
         for step in steps:  # the first call captures and sets up
             step()
         # the configurations take turns, so that a slower spell of a shared machine weighs on all of them alike

@@ -7,10 +7,14 @@ weighed by its rows, so that the loss and the gradients are those of the global 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from partita.errors import BatchError
+from partita.capture.export import CallSignature
+from partita.errors import BatchError, PlanError
 
 
 def local_rows(tensors: list[torch.Tensor]) -> int:
@@ -46,3 +50,34 @@ def global_loss(value: torch.Tensor, reduction: str, rows: tuple[int, ...]) -> t
         total, weight = total / world, 1.0
     mine = value * weight if weight != 1.0 else value
     return mine + (total - mine).detach()
+
+
+@dataclass(frozen=True)
+class Loss:
+    """The user's loss function, with how it combines rows: partita computes the loss itself with it."""
+
+    fn: Callable
+    reduction: str  # "mean" or "sum"
+
+
+def loss_of(loss_fn: Callable | None) -> Loss | None:
+    """`loss_fn` as partita uses it (None: the user computes the loss from the outputs)."""
+    if loss_fn is None:
+        return None
+    reduction = getattr(loss_fn, "reduction", "mean")
+    if reduction not in ("mean", "sum"):
+        raise PlanError(f"loss_fn has reduction={reduction!r}; partita needs 'mean' or 'sum' to combine "
+                        "micro-batch losses into the batch loss")
+    return Loss(loss_fn, reduction)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of the parallelized model, as every rank agreed on it."""
+
+    args: tuple  # the model's inputs (the target split off)
+    kwargs: dict
+    tensors: list[torch.Tensor]  # the tensors among them, flattened
+    signature: CallSignature
+    target: torch.Tensor | None  # with a loss function: what the loss compares the outputs to
+    rows: tuple[int, ...]  # every rank's local rows

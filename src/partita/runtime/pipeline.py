@@ -1,15 +1,19 @@
-"""This rank's pipeline stages, on torch.distributed.pipelining.
+"""This rank's pipeline stages, on torch.distributed.pipelining, run in the order the plan's schedule gives.
 
 Stages are `PipelineStage`s given static shapes (from the captured graph at the micro-batch size), so torch
 runs no shape-inference forward: that extra forward would move BatchNorm statistics and cost a step.
 
-Two ways to run them:
-- `Pipeline.step`: torch's own schedule (GPipe, 1F1B, interleaved, zero-bubble, ...) runs forward and
-  backward of every micro-batch in one call. Used when partita computes the loss itself.
-- `Pipeline.forward` then `Pipeline.backward`: forward of all micro-batches now, backward later, when the
-  user's own loss reaches partita's outputs. torch has no schedule whose forward and backward are split by
-  user code, so this driver is partita's; it runs stages breadth-first (all micro-batches of stage s, then
-  of stage s+1), which is deadlock-free for any placement of stages on ranks.
+Two ways to run them, both in the order of the plan's schedule, the order the planner simulated
+(`partita.schedule.orders`):
+- `Pipeline.step`: torch's own schedule class (GPipe, 1F1B, interleaved, zero-bubble, ...) runs forward and
+  backward of every micro-batch in one call. Used when partita computes the loss itself. The schedule orders
+  are those torch's classes run (tests/torch/test_schedule_orders.py).
+- `Pipeline.forward` then `Pipeline.backward`: the forwards of the schedule's order now, its backwards later,
+  when the user's own loss reaches partita's outputs. torch has no schedule whose forward and backward are
+  split by user code, so partita runs the order itself; the planner gives such calls only schedules that run
+  every forward before any backward (`Constraints.user_loss`).
+
+Every stage records the actions it runs (`executed`), so tests hold the runtime to the simulated order.
 """
 
 from __future__ import annotations
@@ -25,6 +29,30 @@ from partita.capture.export import CapturedGraph
 from partita.capture.shapes import meta_like
 from partita.capture.split import StageGraph
 from partita.plan.plan import Plan
+from partita.schedule import Action, orders
+from partita.schedule.action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
+
+
+class RecordingStage(PipelineStage):
+    """A PipelineStage that notes every compute action it runs in `executed` (a list its rank's stages share)."""
+
+    def __init__(self, *args, executed: list[Action], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.executed = executed
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        self.executed.append(Action(self.stage_index, FORWARD, fwd_chunk_id))
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        op = FULL_BACKWARD if full_backward else BACKWARD_INPUT
+        self.executed.append(Action(self.stage_index, op, bwd_chunk_id))
+        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                          last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        self.executed.append(Action(self.stage_index, BACKWARD_WEIGHT, bwd_chunk_id))
+        return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
 
 class Recomputed(torch.nn.Module):
@@ -36,6 +64,10 @@ class Recomputed(torch.nn.Module):
 
     def forward(self, *args):
         return torch.utils.checkpoint.checkpoint(self.stage, *args, use_reentrant=False)
+
+
+def _static_shapes(cap: CapturedGraph, names: list[str], micro_batch_rows: int) -> tuple:
+    return tuple(meta_like(cap.node(n).meta["val"], micro_batch_rows, cap.requires_grad[n]) for n in names)
 
 
 def _wait(works: list) -> None:
@@ -50,25 +82,28 @@ def _p2p(ops: list[dist.P2POp]) -> list:
 class Pipeline:
     """The PipelineStages of this rank for one micro-batch size, with the schedule that runs them."""
 
-    def __init__(self, cap: CapturedGraph, graphs: list[StageGraph], plan: Plan, rank: int, replica: int,
-                 group: dist.ProcessGroup, device: torch.device, mb_rows: int, has_backward: bool,
+    def __init__(self, cap: CapturedGraph, graphs: list[StageGraph], plan: Plan, *, rank: int, replica: int,
+                 group: dist.ProcessGroup, device: torch.device, micro_batch_rows: int, has_backward: bool,
                  loss_fn=None):
         self.plan = plan
         self.micro_batches = plan.micro_batches
         replica_ranks = plan.replica_ranks(replica)
         position = {s.index: replica_ranks.index(s.ranks[replica]) for s in plan.stages}
-        self.stages: list[PipelineStage] = []
+        self.executed: list[Action] = []
+        self.stages: list[RecordingStage] = []
         for index in plan.stages_of(rank):
             g = graphs[index]
             module = Recomputed(g.module) if plan.stages[index].recompute else g.module
-            stage = PipelineStage(
-                module, index, plan.num_stages, device,
-                input_args=tuple(meta_like(cap.node(n).meta["val"], mb_rows, cap.requires_grad[n]) for n in g.inputs),
-                output_args=tuple(meta_like(cap.node(n).meta["val"], mb_rows, cap.requires_grad[n]) for n in g.outputs),
-                group=group,
-            )
+            stage = RecordingStage(module, index, plan.num_stages, device,
+                                   input_args=_static_shapes(cap, g.inputs, micro_batch_rows),
+                                   output_args=_static_shapes(cap, g.outputs, micro_batch_rows),
+                                   group=group, executed=self.executed)
             stage.stage_index_to_group_rank = dict(position)
             self.stages.append(stage)
+        self.by_index = {s.stage_index: s for s in self.stages}
+        # this rank's actions in the order of the plan's schedule
+        self.order = orders(plan.schedule, plan.num_stages, plan.pipeline_size,
+                            plan.micro_batches)[replica_ranks.index(rank)]
         self.has_backward = has_backward
         self.loss_fn = loss_fn
         self._schedule = None
@@ -90,6 +125,7 @@ class Pipeline:
             stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
             self._schedule = cls(stages, n_microbatches=self.micro_batches, loss_fn=self.loss_fn,
                                  scale_grads=False)
+        self.executed.clear()
         losses: list[torch.Tensor] = []
         args = inputs if self.has_first else ()
         if self.has_last:
@@ -111,58 +147,51 @@ class Pipeline:
         self._prepared = True
 
     def forward(self, micro_batches: list[tuple] | None) -> list[tuple[torch.Tensor, ...]] | None:
-        """Forward every micro-batch through this rank's stages; the last stage's outputs, per micro-batch."""
+        """The schedule's forwards on this rank; the last stage's outputs, per micro-batch (None elsewhere)."""
         if not self._prepared:
             self._prepare()
-        sends, outputs = [], None
-        previous: list | None = None
         for stage in self.stages:
             stage.clear_runtime_states()
-            current = []
-            local_prev = previous is not None and stage.stage_index - 1 == self._local_before(stage)
-            for mb in range(self.micro_batches):
-                if stage.is_first:
-                    args = micro_batches[mb]
-                else:
-                    if local_prev:
-                        stage.set_local_fwd_input(previous[mb], mb)
-                    else:
-                        _wait(_p2p(stage.get_fwd_recv_ops(mb)))
-                    args = ()
-                out = stage.forward_one_chunk(mb, args, save_forward_output=False)
-                current.append(out)
-                if not stage.is_last and not self._local(stage.stage_index + 1):
-                    sends += _p2p(stage.get_fwd_send_ops(mb))
-            previous = current
+        self.executed.clear()
+        sends, kept = [], {}
+        outputs: dict[int, tuple] = {}
+        for action in self.order:
+            if action.op != FORWARD:
+                continue
+            stage, mb = self.by_index[action.stage], action.micro_batch
+            args: tuple = ()
+            if stage.is_first:
+                args = micro_batches[mb]
+            elif action.stage - 1 in self.by_index:
+                stage.set_local_fwd_input(kept.pop((action.stage - 1, mb)), mb)
+            else:
+                _wait(_p2p(stage.get_fwd_recv_ops(mb)))
+            out = stage.forward_one_chunk(mb, args, save_forward_output=False)
             if stage.is_last:
-                outputs = [o if isinstance(o, tuple) else (o,) for o in current]
+                outputs[mb] = out if isinstance(out, tuple) else (out,)
+            elif action.stage + 1 in self.by_index:
+                kept[(action.stage, mb)] = out
+            else:
+                sends += _p2p(stage.get_fwd_send_ops(mb))
         _wait(sends)
-        return outputs
+        return [outputs[mb] for mb in range(self.micro_batches)] if self.has_last else None
 
     def backward(self, last_stage_losses: list[torch.Tensor] | None) -> None:
-        """Backward every micro-batch; the last stage starts from `last_stage_losses` (one per micro-batch)."""
+        """The schedule's backwards on this rank; the last stage starts from `last_stage_losses` (one per
+        micro-batch)."""
+        backwards = [a for a in self.order if a.op != FORWARD]
+        last_of_stage = {a.stage: a.micro_batch for a in backwards}
         sends = []
-        later = None
-        for stage in reversed(self.stages):
-            local_next = later is not None and later.stage_index == stage.stage_index + 1
-            for mb in range(self.micro_batches):
-                loss = None
-                if stage.is_last:
-                    loss = last_stage_losses[mb]
-                elif local_next:
-                    stage.set_local_bwd_input(later.get_local_bwd_output(mb), mb)
-                else:
-                    _wait(_p2p(stage.get_bwd_recv_ops(mb)))
-                stage.backward_one_chunk(mb, loss=loss, full_backward=True,
-                                         last_backward=mb == self.micro_batches - 1)
-                if not stage.is_first and not self._local(stage.stage_index - 1):
-                    sends += _p2p(stage.get_bwd_send_ops(mb))
-            later = stage
+        for action in backwards:
+            stage, mb = self.by_index[action.stage], action.micro_batch
+            loss = None
+            if stage.is_last:
+                loss = last_stage_losses[mb]
+            elif action.stage + 1 in self.by_index:
+                stage.set_local_bwd_input(self.by_index[action.stage + 1].get_local_bwd_output(mb), mb)
+            else:
+                _wait(_p2p(stage.get_bwd_recv_ops(mb)))
+            stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last_of_stage[action.stage] == mb)
+            if not stage.is_first and action.stage - 1 not in self.by_index:
+                sends += _p2p(stage.get_bwd_send_ops(mb))
         _wait(sends)
-
-    def _local(self, stage_index: int) -> bool:
-        return any(s.stage_index == stage_index for s in self.stages)
-
-    def _local_before(self, stage: PipelineStage) -> int:
-        indices = [s.stage_index for s in self.stages if s.stage_index < stage.stage_index]
-        return max(indices) if indices else -1

@@ -31,10 +31,12 @@ from partita.capture.shapes import shape_at
 from partita.capture.split import split
 from partita.errors import BatchError, PlanError
 from partita.plan.plan import Plan, check_batch
+from partita.runtime.batch import Loss
 from partita.runtime.grads import GradSync
 from partita.runtime.pipeline import Pipeline
 from partita.runtime.route import Replica, TensorSpec
 from partita.runtime.state import broadcast_tensors
+from partita.schedule import Action
 
 _MAX_PIPELINES = 4  # micro-batch sizes kept ready at once (a smaller last batch, eval, ...)
 
@@ -78,6 +80,7 @@ class Engine:
         self.stage0_inputs = [cap.user_inputs.index(n) for n in self.graphs[0].inputs]
         self.out_nodes = [o for o in cap.outputs if isinstance(o, fx.Node)]
         self._pipelines: OrderedDict = OrderedDict()
+        self._last: Pipeline | None = None
         local = plan.stages_of(place.rank)
         self._written = [(place.stage_groups[g.index], plan.stages[g.index].ranks[0],
                           [getattr(g.module, b) for b in g.written_buffers])
@@ -96,16 +99,23 @@ class Engine:
     def stage_parameters(self) -> dict[int, set[str]]:
         return {g.index: set(g.parameters.values()) for g in self.graphs}
 
-    def _pipeline(self, mb_rows: int, has_backward: bool, loss_fn) -> Pipeline:
-        key = (mb_rows, has_backward, loss_fn is not None)
+    def _pipeline(self, micro_batch_rows: int, has_backward: bool, loss_fn) -> Pipeline:
+        key = (micro_batch_rows, has_backward, loss_fn is not None)
         if key not in self._pipelines:
             p = self.place
-            self._pipelines[key] = Pipeline(self.cap, self.graphs, self.plan, p.rank, p.replica_index,
-                                            p.pipeline_group, p.device, mb_rows, has_backward, loss_fn)
+            self._pipelines[key] = Pipeline(self.cap, self.graphs, self.plan, rank=p.rank, replica=p.replica_index,
+                                            group=p.pipeline_group, device=p.device,
+                                            micro_batch_rows=micro_batch_rows, has_backward=has_backward,
+                                            loss_fn=loss_fn)
             while len(self._pipelines) > _MAX_PIPELINES:
                 self._pipelines.popitem(last=False)
         self._pipelines.move_to_end(key)
-        return self._pipelines[key]
+        self._last = self._pipelines[key]
+        return self._last
+
+    def executed(self) -> list[Action]:
+        """The compute actions the last call ran on this rank, in order."""
+        return list(self._last.executed) if self._last is not None else []
 
     def _sizes(self, rows: tuple[int, ...]) -> tuple[int, int]:
         """(local rows, rows per micro-batch), after checking that the batch splits evenly."""
@@ -151,22 +161,21 @@ class Engine:
         return value
 
     # ---- loss computed by partita: torch's schedule, fused forward + backward ---------------------
-    def train_step(self, tensors: list[torch.Tensor], target: torch.Tensor, loss_fn, reduction: str,
-                   rows: tuple[int, ...]):
-        _, mb_rows = self._sizes(rows)
+    def train_step(self, tensors: list[torch.Tensor], target: torch.Tensor, loss: Loss, rows: tuple[int, ...]):
+        _, micro_batch_rows = self._sizes(rows)
         p, plan = self.place, self.plan
         self._sync_buffers()
 
         def stage_loss(flat_out, tgt):
-            return loss_fn(self._unflatten(list(flat_out)), tgt)
+            return loss.fn(self._unflatten(list(flat_out)), tgt)
 
-        pipe = self._pipeline(mb_rows, True, stage_loss)
+        pipe = self._pipeline(micro_batch_rows, True, stage_loss)
         inputs = self._gather_inputs(tensors)
         target_rows = p.replica.gather_rows([target], p.last_rank)
         saved = self.grads.stash()
         losses = pipe.step(tuple(inputs or ()), target_rows[0] if target_rows else None)
         fresh = self.grads.take(saved)
-        mean = reduction == "mean"
+        mean = loss.reduction == "mean"
         denominator = plan.num_replicas * plan.micro_batches if mean else 1
         total = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=p.device)
         value = self._global_sum(total.to(torch.float32).reshape(())) / denominator
@@ -177,13 +186,13 @@ class Engine:
         return _Loss.apply(step, self.anchor, *users)
 
     # ---- everything else: forward now, backward (if any) when the user's loss gets here ----------
-    def forward(self, tensors: list[torch.Tensor], target: torch.Tensor | None, loss_fn, reduction: str,
-                grad: bool, rows: tuple[int, ...]):
-        local, mb_rows = self._sizes(rows)
+    def forward(self, tensors: list[torch.Tensor], target: torch.Tensor | None, loss: Loss | None, grad: bool,
+                rows: tuple[int, ...]):
+        local, micro_batch_rows = self._sizes(rows)
         p, plan = self.place, self.plan
         self._sync_buffers()
-        has_backward = grad and self.cap.training and loss_fn is None
-        pipe = self._pipeline(mb_rows, has_backward, None)
+        has_backward = grad and self.cap.training and loss is None
+        pipe = self._pipeline(micro_batch_rows, has_backward, None)
         inputs = self._gather_inputs(tensors)
         micro_batches = None
         if inputs is not None:
@@ -192,9 +201,9 @@ class Engine:
         ctx = torch.enable_grad() if has_backward else torch.no_grad()
         with ctx:
             outs = pipe.forward(micro_batches)
-        if loss_fn is not None:
+        if loss is not None:
             target_rows = p.replica.gather_rows([target], p.last_rank)
-            return self._eval_loss(outs, target_rows, loss_fn, reduction)
+            return self._eval_loss(outs, target_rows, loss)
         leaves = self._route_outputs(outs, local)
         if not has_backward:
             return self._unflatten(leaves)
@@ -203,15 +212,15 @@ class Engine:
         result = _Outputs.apply(run, self.anchor, *users)
         return self._unflatten(list(result))
 
-    def _eval_loss(self, outs, target_rows, loss_fn, reduction):
+    def _eval_loss(self, outs, target_rows, loss: Loss):
         p, plan = self.place, self.plan
         total = torch.zeros((), device=p.device)
         if outs is not None:
             targets = _split_rows(target_rows[0], plan.micro_batches)
             with torch.no_grad():
-                total = sum(loss_fn(self._unflatten(list(o)), t).float() for o, t in zip(outs, targets))
+                total = sum(loss.fn(self._unflatten(list(o)), t).float() for o, t in zip(outs, targets))
         total = self._global_sum(total.detach().reshape(()).clone())
-        return total / (plan.num_replicas * plan.micro_batches) if reduction == "mean" else total
+        return total / (plan.num_replicas * plan.micro_batches) if loss.reduction == "mean" else total
 
     def _route_outputs(self, outs, local_rows: int) -> list[torch.Tensor]:
         """Each rank's rows of every batched output; scalar outputs as their global mean."""

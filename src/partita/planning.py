@@ -1,0 +1,110 @@
+"""This job's plan, the same on every rank: measured on the job's own devices, chosen on rank 0 (or given).
+
+Every rank measures its share of the model's blocks and links (unless a plan was given, or the measurements
+are cached), rank 0 plans, and every rank gets the same plan or the same error.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from partita import settings
+from partita.capture.export import CapturedGraph
+from partita.cluster import Cluster
+from partita.errors import PartitaError, PlanError, RankError
+from partita.graph import ModelGraph, Profile
+from partita.graph.profile import roofline_profile
+from partita.launch import env
+from partita.plan import Constraints, Plan, choose_plan
+from partita.plan.choose import user_loss_problem
+from partita.profile import Parallelize, device_spec, measure
+from partita.runtime import agreement
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The plan, and on rank 0 what it was made from (None elsewhere, and when the plan was given)."""
+
+    plan: Plan
+    profile: Profile | None
+    cluster: Cluster | None
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the plan must honour: the user's constraints, or a plan they gave."""
+
+    constraints: Constraints
+    given: Plan | str | Path | None
+    optimizer_factor: float  # copies of the parameters the optimizer keeps as state
+
+
+def agreed_plan(cap: CapturedGraph, graph: ModelGraph, rows: tuple[int, ...], request: PlanRequest,
+                parallelize: Parallelize) -> Planned:
+    """Collective. `rows`: every rank's local rows in this (first) call. `parallelize` is partita's own, to
+    measure what its runtime costs."""
+    world = env.world()
+    profile = cluster = None
+    if request.given is None:
+        profile, cluster = _measure(cap, graph, max(rows), parallelize)
+    result: list = [None]
+    if world.rank == 0:
+        try:
+            # plans are for the steady state: full batches, of the largest rank's rows on every rank
+            result[0] = _make_plan(graph, max(rows) * len(rows), profile, cluster, request).to_json()
+        except Exception as e:  # noqa: BLE001 - every rank raises it, none waits for a plan that never comes
+            result[0] = RankError.of(0, e if isinstance(e, PartitaError) else
+                                      PlanError(f"rank 0 failed to plan: {type(e).__name__}: {e}"))
+    if world.world_size > 1:
+        dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], RankError):
+        raise result[0].error(named=False)
+    plan = Plan.from_json(result[0])
+    agreement.agree(f"model graph {graph.fingerprint}", "the model they captured (different models or inputs)")
+    return Planned(plan, profile, cluster)
+
+
+def _device_memory(device: torch.device, local_world_size: int) -> int:
+    """Memory one rank may plan for: the device's, or its share of host RAM, capped by PARTITA_MEMORY_LIMIT."""
+    if device.type == "cuda":
+        total = int(torch.cuda.mem_get_info(device)[1])
+    else:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, local_world_size)
+    limit = settings.memory_limit()
+    return int(total) if limit is None else min(int(total), limit)
+
+
+def _measure(cap: CapturedGraph, graph: ModelGraph, local_batch: int, parallelize: Parallelize):
+    """(profile, cluster) on rank 0, (None, None) elsewhere: measured on this job's devices, or estimated
+    from the device preset when PARTITA_PROFILE=estimate (faster, less exact)."""
+    world = env.world()
+    memory = _device_memory(world.device, world.local_world_size)
+    if settings.profile_mode() == "estimate":
+        if world.rank != 0:
+            return None, None
+        spec = device_spec(world.device)
+        per_node = max(1, min(world.local_world_size, world.world_size))
+        cluster = Cluster(spec, max(1, world.world_size // per_node), per_node, memory_bytes=memory)
+        return roofline_profile(graph, spec), cluster
+    return measure(cap, graph, local_batch, world.device, world.local_world_size, memory, parallelize)
+
+
+def _make_plan(graph: ModelGraph, global_batch: int, profile: Profile | None, cluster: Cluster | None,
+               request: PlanRequest) -> Plan:
+    if request.given is None:
+        return choose_plan(graph, profile, cluster, global_batch=global_batch,
+                           optimizer_factor=request.optimizer_factor, constraints=request.constraints)
+    plan = request.given if isinstance(request.given, Plan) else Plan.load(request.given)
+    if plan.fingerprint and plan.fingerprint != graph.fingerprint:
+        raise PlanError(
+            f"the plan was made for another model (graph {plan.fingerprint}, this model's graph is "
+            f"{graph.fingerprint}, {graph.num_blocks} blocks). Make a new plan for this model, or drop plan=... "
+            "to let partita plan.")
+    if not request.constraints.allows_schedule(plan.schedule):
+        raise PlanError(f"the plan given runs {plan.schedule}. {user_loss_problem(plan.schedule)}")
+    return plan.validate(env.world().world_size)

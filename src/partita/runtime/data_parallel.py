@@ -1,0 +1,65 @@
+"""A one-stage, one-micro-batch plan: the user's module under torch's DistributedDataParallel.
+
+The loss is that of the global batch (`batch.global_loss`): each rank's mean weighed by its rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from partita.capture.export import CapturedGraph
+from partita.plan.plan import Plan
+from partita.runtime.batch import Call, Loss, global_loss
+from partita.runtime.ownership import Ownership
+from partita.runtime.run import Runtime, in_mode
+
+
+class DataParallel(Runtime):
+    same_shapes = False
+    split_gradients = False
+
+    def __init__(self, module: nn.Module, cap: CapturedGraph, plan: Plan, ownership: Ownership, *, loss: Loss | None,
+                 rank: int, world_size: int, device: torch.device):
+        super().__init__(module, plan, ownership, rank, device)
+        self.loss = loss
+        self.ddp = module if world_size == 1 else _ddp(module, cap)
+
+    def __call__(self, call: Call):
+        out = self.ddp(*call.args, **call.kwargs)
+        if self.loss is None:
+            return torch.utils._pytree.tree_map(
+                lambda t: global_loss(t, "mean", call.rows) if isinstance(t, torch.Tensor) and t.dim() == 0 else t,
+                out)
+        return global_loss(self.loss.fn(out, call.target), self.loss.reduction, call.rows)
+
+    def settle_buckets(self, call: Call) -> None:
+        """One throwaway forward and backward through DDP, whose effects are undone (gradients, buffers, random
+        streams). torch's DDP sums its first backward in one bucket in parameter order, then re-buckets in the
+        order the gradients became ready. Settled here, every step of every process sums in the same buckets,
+        the first step after a restart from a checkpoint included: resumed training then computes bit for bit
+        what uninterrupted training would have."""
+        if not isinstance(self.ddp, DistributedDataParallel) or self.ddp.find_unused_parameters:
+            return  # no re-bucketing then
+        grads = [(p, p.grad) for p in self.module.parameters()]
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), in_mode(self.module, True), torch.enable_grad():
+            out = self.ddp(*call.args, **call.kwargs)
+            leaves = [t for t in torch.utils._pytree.tree_leaves(out)
+                      if isinstance(t, torch.Tensor) and t.requires_grad]
+            if leaves:
+                (sum(t.sum() for t in leaves) * 0.0).backward()
+        with torch.no_grad():
+            for p, grad in grads:
+                p.grad = grad
+            for b, value in buffers:
+                b.copy_(value)
+
+
+def _ddp(module: nn.Module, cap: CapturedGraph) -> DistributedDataParallel:
+    used = {cap.fqn_of[n] for n in cap.parameters}
+    # routing by value (a mixture of experts): eager code may skip an expert no row of this rank reaches
+    unused = cap.routes_by_value() or any(p.requires_grad and n not in used for n, p in module.named_parameters())
+    return DistributedDataParallel(module, find_unused_parameters=unused)

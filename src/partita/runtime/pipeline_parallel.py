@@ -1,0 +1,104 @@
+"""Any plan with more than one stage or micro-batch: the captured graph split into stages, run on
+torch.distributed.pipelining, one pipeline per replica.
+
+partita sums gradients itself (`grads.GradSync`) instead of wrapping stages in DDP or FSDP: a rank may need
+several gradient groups (its stage's replicas, and the union of stages for each tied weight), which torch's
+wrappers, one group per module, do not express.
+
+One `Engine` per kind of call (train or eval mode, call structure, which parameters require grad): each is a
+capture of the model split into the planned stages.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partita.capture.export import CapturedGraph, capture
+from partita.capture.split import carry_stages, check_ownership
+from partita.plan.plan import Plan
+from partita.runtime.batch import Call, Loss
+from partita.runtime.grads import GradSync
+from partita.runtime.groups import gradient_groups, pipeline_groups, stage_groups
+from partita.runtime.optim import patch_optimizer
+from partita.runtime.ownership import Ownership
+from partita.runtime.pipelined import Engine, Place
+from partita.runtime.route import Replica
+from partita.runtime.run import Runtime
+from partita.runtime.state import gather_optimizer_state
+from partita.schedule import Action
+
+
+def place_of(plan: Plan, rank: int, world_size: int, device: torch.device, *, with_buffers: bool) -> Place:
+    """This rank's place under `plan`, with the process groups it needs. Collective: every rank creates every
+    group, in the same order."""
+    replicas = pipeline_groups(plan)
+    j = plan.replica_of(rank)
+    group = replicas[j] if replicas[j] is not None else dist.group.WORLD
+    buffers = stage_groups(plan) if with_buffers else {}
+    return Place(plan=plan, rank=rank, world_size=world_size, device=device, replica_index=j,
+                 replica=Replica(plan.replica_ranks(j), group, rank, device), pipeline_group=group,
+                 stage_groups=buffers)
+
+
+class PipelineParallel(Runtime):
+    def __init__(self, module: nn.Module, cap: CapturedGraph, plan: Plan, ownership: Ownership, *,
+                 loss: Loss | None, optimizer: torch.optim.Optimizer | None, rank: int, world_size: int,
+                 device: torch.device, signature_key: tuple):
+        super().__init__(module, plan, ownership, rank, device)
+        self.loss = loss
+        self.optimizer = optimizer
+        self.place = place_of(plan, rank, world_size, device, with_buffers=any(True for _ in module.buffers()))
+        self.grads = GradSync(gradient_groups(plan, ownership.stage_params, rank, self.parameters))
+        # the autograd node every returned loss or output hangs from, so that backward reaches partita
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.engines = {(True, signature_key, self._requires_grad()): self._engine(cap, list(ownership.stage_of_unit))}
+        if optimizer is not None:
+            patch_optimizer(optimizer, self._whole_optimizer_state, self.keep_local_optimizer_state)
+            # state loaded before this first call (partita.load, load_state_dict) covers the whole model
+            self.keep_local_optimizer_state(optimizer)
+
+    def __call__(self, call: Call):
+        engine = self._engine_for(call)
+        if self.loss is not None and self.module.training and torch.is_grad_enabled():
+            return engine.train_step(call.tensors, call.target, self.loss, call.rows)
+        return engine.forward(call.tensors, call.target, self.loss, torch.is_grad_enabled(), call.rows)
+
+    def executed(self) -> list[Action]:
+        """The compute actions the last call ran on this rank, in order."""
+        return self._last.executed()
+
+    def _requires_grad(self) -> tuple:
+        return tuple(p.requires_grad for p in self.parameters.values())
+
+    def _engine(self, cap: CapturedGraph, stage_of_unit: list[int]) -> Engine:
+        engine = Engine(cap, stage_of_unit, self.place, self.grads, self.anchor)
+        check_ownership(engine.graphs, self.ownership.stage_params)
+        return engine
+
+    def _engine_for(self, call: Call) -> Engine:
+        """The engine for this kind of call; another kind is captured again and cut where the plan cut."""
+        key = (self.module.training, call.signature.key, self._requires_grad())
+        if key not in self.engines:
+            cap = capture(self.module, call.args, call.kwargs)
+            self.engines[key] = self._engine(
+                cap, carry_stages(cap, self.ownership.stage_of_node, self.ownership.stages_of_param()))
+        self._last = self.engines[key]
+        return self._last
+
+    # ---- the optimizer: its state lives where its parameters are trained --------------------------------
+    def _optimizer_params(self) -> list[nn.Parameter]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _whole_optimizer_state(self, state_dict: dict) -> dict:
+        first = {id(p): name for name, p in reversed(list(self.parameters.items()))}
+        owner = {i: self.owner_of(first[id(p)]) if id(p) in first else 0
+                 for i, p in enumerate(self._optimizer_params())}
+        return gather_optimizer_state(state_dict, owner, self.rank)
+
+    def keep_local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        local = self.trained_here()
+        for p in list(optimizer.state):
+            if id(p) not in local:
+                del optimizer.state[p]

@@ -1,0 +1,125 @@
+"""`Runtime`: this rank's part of the model under a plan, and what the parallelized model asks of it.
+
+`build.py` makes one; `data_parallel.py` and `pipeline_parallel.py` are the two kinds today. What they share
+is here: the whole-model views (state, one parameter, gradient norm) that follow the plan's ownership, and
+`held`, what a checkpoint writes and reads on this rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partita.plan.plan import Plan
+from partita.runtime.batch import Call
+from partita.runtime.ownership import Ownership
+from partita.runtime.state import broadcast_from_owners
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a checkpoint takes from this rank."""
+
+    writes: frozenset[str]  # state_dict names this rank's copy is current for
+    trains: frozenset[str]  # parameters (by their first name) whose optimizer state lives on this rank
+
+
+def first_names(module: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its first name (tied weights have several): the name its optimizer state goes under."""
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return names
+
+
+@contextlib.contextmanager
+def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """Temporarily put every submodule in train or eval mode, restoring each one's own flag after."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+class Runtime:
+    """Runs calls of the model under `plan` on this rank. Subclasses implement `__call__`."""
+
+    # whether every rank must pass the same shapes beyond the batch dimension (a pipeline's stages are built
+    # for static shapes; data parallelism lets each rank pad its own sequences)
+    same_shapes = True
+    # whether gradients of different parameters live on different ranks (so a norm sums over ranks)
+    split_gradients = True
+
+    def __init__(self, module: nn.Module, plan: Plan, ownership: Ownership, rank: int, device: torch.device):
+        self.module = module
+        self.plan = plan
+        self.ownership = ownership
+        self.rank = rank
+        self.device = device
+        self.parameters = dict(module.named_parameters(remove_duplicate=False))
+
+    def __call__(self, call: Call):
+        raise NotImplementedError
+
+    def owner_of(self, name: str) -> int:
+        return self.ownership.owner.get(name, 0)
+
+    def trained_here(self) -> set[int]:
+        """ids of the parameters this rank trains (read by its stages)."""
+        return {id(self.parameters[f]) for f in self.ownership.trained_by(self.rank)}
+
+    def held(self) -> Held:
+        local = self.trained_here()
+        named = self.module.state_dict(keep_vars=True)
+        writes = frozenset(n for n, t in named.items() if id(t) in local or self.owner_of(n) == self.rank)
+        names = first_names(self.module)
+        return Held(writes, frozenset(names[i] for i in local))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state under its original names, the same on every rank."""
+        named = list(self.module.state_dict(keep_vars=True).items())
+        if not self.split_gradients:
+            return {n: t.detach().clone() for n, t in named}
+        return dict(broadcast_from_owners(named, self.ownership.owner, self.rank, self.device))
+
+    def parameter(self, name: str, grad: bool) -> torch.Tensor | None:
+        """Parameter `name` (or its gradient), the same on every rank."""
+        p = self.parameters[name]
+        t = p.grad if grad else p
+        if not self.split_gradients:
+            return None if t is None else t.detach().clone()
+        owner = self.owner_of(name)
+        flag = torch.tensor([float(t is not None)], device=self.device)
+        dist.broadcast(flag, src=owner)
+        if flag.item() == 0:
+            return None
+        value = (t.detach().clone() if t is not None else torch.empty_like(p)).to(self.device)
+        dist.broadcast(value, src=owner)
+        return value.to(p.device)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their norm over the whole model (each parameter counted once, on its owner)."""
+        first = first_names(self.module)
+        params = [self.parameters[name] for name in first.values()]
+        counted = [p.grad for p, name in zip(params, first.values())
+                   if p.grad is not None and (not self.split_gradients or self.owner_of(name) == self.rank)]
+        local = torch.zeros((), device=self.device, dtype=torch.float64)
+        for g in counted:
+            local += g.detach().double().norm(norm_type) ** norm_type
+        if self.split_gradients:
+            dist.all_reduce(local)
+        total = local ** (1.0 / norm_type)
+        coef = min(1.0, float(max_norm) / (float(total) + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return total.float()

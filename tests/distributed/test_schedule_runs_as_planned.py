@@ -1,0 +1,23 @@
+"""What runs is what was planned: on every rank, the compute actions the runtime executes in a training step
+are, in order, those the planner's simulator used for the plan's estimate, for every schedule and both call
+styles (partita computes the loss with torch's schedule classes, or the user's code computes it and partita
+runs the order itself)."""
+
+import pytest
+
+from partita.schedule.catalog import FORWARDS_FIRST_SCHEDULES, SCHEDULES, stages_per_rank
+
+RUNS = [(schedule, "loss_fn") for schedule in SCHEDULES] + [(s, "outputs") for s in FORWARDS_FIRST_SCHEDULES]
+
+
+@pytest.mark.parametrize("schedule,style", RUNS)
+def test_executed_actions_are_the_simulated_orders(pools, schedule, style):
+    stages = 2 * stages_per_rank(schedule)
+    results = pools.run(2, "support.cases:executed_actions", schedule, stages, 4, style)
+    simulated = results[0]["simulated"]
+    assert len(simulated) == 2
+    for rank, r in enumerate(results):
+        assert r["schedule"] == schedule
+        assert r["executed"] == simulated[r["position"]], f"rank {rank} ran another order than the simulated one"
+        ops = {a.rstrip("0123456789")[-1] for a in r["executed"]}
+        assert "F" in ops and ops & {"B", "I"}, f"rank {rank} ran no backward: {r['executed']}"
