@@ -7,7 +7,9 @@ and the Cluster the planner needs; other ranks get (None, None).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from dataclasses import asdict
 
 import torch
@@ -17,12 +19,16 @@ from partita.cluster import DEVICES, Cluster, DeviceSpec, Link, RuntimeOverheads
 from partita.graph import ModelGraph, Profile
 from partita import cache
 from partita.profile.block_times import measure_blocks, profile_rows, stream_bandwidth
-from partita.profile.comm import measure_allreduce, measure_p2p
+from partita.plan.explain import seconds, size
+from partita.profile.comm import SIZES_BYTES, measure_allreduce, measure_p2p
+from partita.profile.overheads import STEPS as PROBE_STEPS
 from partita.profile.overheads import Parallelize, measure_overheads
 
 __all__ = ["Parallelize", "device_spec", "measure"]
 
 MEASUREMENT_VERSION = 6  # part of every cache key: measurements made differently are not reused
+
+log = logging.getLogger("partita")
 
 
 def device_spec(device: torch.device) -> DeviceSpec:
@@ -85,10 +91,17 @@ def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loc
     cached_links = cache.load("links", links_key) if rank == 0 else None
 
     at_once = cores if local_world_size > cores else 0
+    # rank 0 says what it measures and where the results are kept, unless PARTITA_LOG=off
+    say = show_progress and rank == 0 and not log.disabled and log.isEnabledFor(logging.INFO)
+    if say:
+        _announce(graph, local_batch, world, cached_profile is not None, cached_links is not None)
     if _agreed(cached_profile is not None):
         profile = Profile.from_json(cached_profile) if rank == 0 else None
     else:
-        costs = measure_blocks(cap, graph, local_batch, device, show_progress, at_once=at_once)
+        started = time.perf_counter()
+        costs = measure_blocks(cap, graph, local_batch, device, say, at_once=at_once)
+        if say:
+            log.info("blocks measured in %s", seconds(time.perf_counter() - started))
         profile = None
         if rank == 0:
             source = f"measured on {spec.name if device.type == 'cuda' else 'cpu'} ({device}), torch {torch.__version__}"
@@ -111,6 +124,11 @@ def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loc
     if _agreed(cached_links is not None):
         links = json.loads(cached_links) if rank == 0 else None
     else:
+        started = time.perf_counter()
+        if say and world > 1:
+            log.info("timing messages between the %d ranks (point-to-point and all-reduce, %s to %s), then "
+                     "partita's own costs per step (a small probe model trained %d steps under each of a few plans)",
+                     world, size(min(SIZES_BYTES)), size(max(SIZES_BYTES)), PROBE_STEPS)
         p2p, allreduce = measure_p2p(device), measure_allreduce(device)
         links = {"p2p": p2p and [p2p.latency_s, p2p.bandwidth_bps],
                  "allreduce": allreduce and [allreduce.latency_s, allreduce.bandwidth_bps], "overheads": None}
@@ -119,7 +137,35 @@ def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loc
             links["overheads"] = runtime and asdict(runtime)
         if rank == 0:
             cache.store("links", links_key, json.dumps(links))
+        if say and world > 1:
+            log.info("links and partita's own costs measured in %s", seconds(time.perf_counter() - started))
     overhead = _process_bytes(device)
     if rank != 0:
         return None, None
     return profile, cluster_of(links, overhead)
+
+
+def _announce(graph: ModelGraph, local_batch: int, world: int, blocks_cached: bool, links_cached: bool) -> None:
+    """What is about to be measured, and that it is measured once: the results are cached on disk."""
+    where = f"{cache.cache_dir()} (PARTITA_CACHE_DIR)"
+    links = world > 1  # one rank has no links to measure
+    if blocks_cached and (links_cached or not links):
+        log.info("block costs%s measured by an earlier run: read from %s; delete them there to measure again",
+                 " and links" if links else "", where)
+        return
+    if blocks_cached:
+        log.info("measuring the links between ranks before planning (this model's blocks are known from an "
+                 "earlier run); this happens once: the results go to %s and later runs of %d ranks here read them",
+                 where, world)
+        return
+    distinct = len({b.signature for b in graph.blocks})
+    small, large = profile_rows(local_batch)
+    what = ("this model's blocks and the links between ranks" if links and not links_cached
+            else "this model's blocks (the links between ranks are known from an earlier run)" if links
+            else "this model's blocks")
+    log.info("measuring %s before planning; this happens once: the results go to %s and later runs of this "
+             "model here read them", what, where)
+    log.info("timing the forward and backward of %d distinct block%s (of %d: repeated layers are measured once) "
+             "and the memory each keeps for its backward, at micro-batches of %d and %d rows, shared among %d "
+             "rank%s", distinct, "s" if distinct > 1 else "", graph.num_blocks, small, large, world,
+             "s" if world > 1 else "")

@@ -10,6 +10,7 @@ statistics) are restored, and the random number generators are forked.
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import sys
@@ -247,7 +248,7 @@ def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, devi
         if not at_once or local_rank // at_once == turn:
             try:
                 results = _measure_share(cap, graph, first_of, mine, local_batch, device,
-                                         show_progress and rank == 0, len(signatures), world)
+                                         show_progress and rank == 0, turns)
             except Exception as e:  # noqa: BLE001 - the other ranks must hear of it, not wait for this rank
                 failure, results = e, RankError.of(rank, e)
         if turns > 1 and world > 1:
@@ -270,9 +271,11 @@ def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, devi
 
 
 def _measure_share(cap: CapturedGraph, graph: ModelGraph, first_of: dict[str, Block], mine: list[str],
-                   local_batch: int, device: torch.device, show_progress: bool, distinct: int,
-                   world: int) -> dict[str, tuple[Fit, Fit, Fit]]:
-    """This rank's blocks (signatures `mine`): forward, backward and saved bytes, each a line in the rows."""
+                   local_batch: int, device: torch.device, show_progress: bool,
+                   turns: int) -> dict[str, tuple[Fit, Fit, Fit]]:
+    """This rank's blocks (signatures `mine`): forward, backward and saved bytes, each a line in the rows.
+    `turns`: how many groups of ranks measure one after the other (for the time left that progress shows)."""
+    set_up = time.perf_counter()
     r1, r2 = profile_rows(local_batch)
     stages = {sig: _block_module(cap, graph, first_of[sig]) for sig in mine}
     inputs_at = {first_of[sig].first_node: stages[sig].inputs for sig in mine}
@@ -281,13 +284,15 @@ def _measure_share(cap: CapturedGraph, graph: ModelGraph, first_of: dict[str, Bl
     # ROUNDS passes over every measurement: a slow spell of a shared machine then spoils one sample of
     # each, not every sample of one, and the medians drop it
     samples: dict = {}
+    started = time.perf_counter()
     for round_ in range(ROUNDS):
         for i, sig in enumerate(mine):
             for rows in (r1, r2):
                 samples.setdefault((sig, rows), []).append(_measure_stage(
                     stages[sig], inputs[rows][first_of[sig].first_node], device, launch))
             if show_progress:
-                _progress(round_ * len(mine) + i + 1, ROUNDS * len(mine), distinct, world, graph.num_blocks)
+                _progress(round_ * len(mine) + i + 1, ROUNDS * len(mine), turns, started - set_up,
+                          time.perf_counter() - started)
     m = {key: [statistics.median(v) for v in zip(*values)] for key, values in samples.items()}
     results = {}
     for sig in mine:
@@ -296,14 +301,32 @@ def _measure_share(cap: CapturedGraph, graph: ModelGraph, first_of: dict[str, Bl
     return results
 
 
-def _progress(done: int, share: int, distinct: int, world: int, blocks: int) -> None:
-    """A progress bar on a terminal; one line at the end in a log file (launchers show logs line by line)."""
-    interactive = sys.stderr.isatty()
-    if not interactive and done < share:
+def _progress(done: int, share: int, turns: int, set_up_s: float, measuring_s: float) -> None:
+    """Rank 0's progress through its `share` of the measurements (`done` of them took `measuring_s`, after
+    `set_up_s` of preparing the blocks and their inputs), with the time left, which counts the ranks that wait
+    for their turn (they do as much after it): a bar on a terminal; in a log file (launchers show logs line by
+    line) one line with the estimate after the first measurement."""
+    total_s = turns * (set_up_s + measuring_s / done * share)
+    left_s = total_s - set_up_s - measuring_s
+    if not sys.stderr.isatty():
+        if done == 1:
+            logging.getLogger("partita").info("measuring the blocks will take %s", _about(total_s))
         return
     width = 24
     bar = "#" * (width * done // share) + "." * (width - width * done // share)
+    if done < share:
+        after = f", {_about(left_s)} left"
+    else:
+        after = f", the other ranks' turn: {_about(left_s)}" if turns > 1 else ""
     end = "\n" if done == share else ""
-    sys.stderr.write(f"{chr(13) if interactive else ''}partita: profiling {distinct} distinct of {blocks} blocks "
-                     f"on {world} rank(s) [{bar}] {done}/{share} on rank 0{end}")
+    sys.stderr.write(f"\rpartita: measuring blocks [{bar}] {100 * done // share:3d}%{after}   {end}")
     sys.stderr.flush()
+
+
+def _about(seconds: float) -> str:
+    """A rough duration: 'under a second', 'about 3 s', 'about 40 s', 'about 4 min'."""
+    if seconds < 1:
+        return "under a second"
+    if seconds < 60:
+        return f"about {round(seconds) if seconds < 10 else round(seconds, -1):.0f} s"
+    return f"about {round(seconds / 60)} min"
