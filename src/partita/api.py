@@ -228,5 +228,6 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                               user_loss=loss_fn is None)
     if schedule is not None and not constraints.allows_schedule(schedule):
         raise PlanError(user_loss_problem(schedule))
-    agreement.join()
+    # from now on partita.shutdown() tells the other ranks when this one stops calling the model
+    env.before_leaving(agreement.leave)
     return ParallelModule(model, optimizer, loss_fn, constraints, plan)

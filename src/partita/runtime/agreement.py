@@ -21,13 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from partita.errors import BatchError, CaptureError, CheckpointError, PartitaError, PlanError
-from partita.launch import env
+from partita.errors import BatchError, PartitaError, RankError, as_partita, first_error
 
 log = logging.getLogger("partita")
-
-_ERRORS = {c.__name__: c for c in (BatchError, CaptureError, CheckpointError, PlanError, PartitaError)}
-
 
 class State(enum.IntEnum):
     CALLING = 0
@@ -42,15 +38,11 @@ class _Said:
     state: State
     calls: int
     rows: int
-    text: str
+    text: str  # what it is doing, or, failing, its error's text
+    error: RankError | None = None  # failing: its error, as data
 
 
 _calls = 0  # calls of parallelized models this process made: the step count a rank that leaves reports
-
-
-def join() -> None:
-    """This process parallelized a model: from now on `partita.shutdown()` tells the others when it stops."""
-    env.before_leaving(leave)
 
 
 def _single() -> bool:
@@ -61,7 +53,7 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
-def _exchange(state: State, rows: int, text: str) -> list[_Said]:
+def _exchange(state: State, rows: int, text: str, error: RankError | None = None) -> list[_Said]:
     """Every rank's statement. The common case (every rank says the same) costs one all-reduce of two int64s:
     the largest and the negated smallest digest of (state, rows, text) are equal only if every rank's is the
     same. (gloo's all-gather of four int64s took 4 ms on 4 ranks sharing 2 cores, this 1.1 ms.) Otherwise one
@@ -70,21 +62,10 @@ def _exchange(state: State, rows: int, text: str) -> list[_Said]:
     extremes = torch.tensor([word, -word], dtype=torch.int64)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     if int(extremes[0]) == -int(extremes[1]):
-        return [_Said(state, -1, rows, text)] * dist.get_world_size()
+        return [_Said(state, -1, rows, text, error)] * dist.get_world_size()
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (int(state), _calls, rows, text))
-    return [_Said(State(s), calls, r, t) for s, calls, r, t in every]
-
-
-def _failure(said: list[_Said]) -> PartitaError | None:
-    """The first failing rank's error, rebuilt from its text (named after the rank unless all failed alike)."""
-    failing = [(rank, s.text) for rank, s in enumerate(said) if s.state == State.FAILING]
-    if not failing:
-        return None
-    rank, text = failing[0]
-    kind, _, message = text.partition(": ")
-    alike = len(failing) == len(said) and len({t for _, t in failing}) == 1
-    return _ERRORS.get(kind, PartitaError)(message if alike else f"rank {rank}: {message}")
+    dist.all_gather_object(every, (int(state), _calls, rows, text, error))
+    return [_Said(State(s), calls, r, t, e) for s, calls, r, t, e in every]
 
 
 def _left_early(said: list[_Said], rank: int) -> str | None:
@@ -100,23 +81,21 @@ def _left_early(said: list[_Said], rank: int) -> str | None:
             "rank the same number of batches (a DistributedSampler does), and stop every rank at the same step")
 
 
-def _problem_text(problem: BaseException) -> str:
-    kind = type(problem).__name__ if type(problem).__name__ in _ERRORS else "PartitaError"
-    message = str(problem) if isinstance(problem, PartitaError) else f"{type(problem).__name__}: {problem}"
-    return f"{kind}: {message}"
-
-
 def agree(description: str, what: str, problem: BaseException | None = None, rows: int = 0) -> tuple[int, ...]:
     """Every rank's local rows, once every rank described what it does the same way; otherwise the same error
     on every rank: a rank's `problem` (raised from it on that rank), a rank that left, or what differs."""
     if _single():
         if problem is not None:
-            raise _as_partita(problem) from problem
+            raise as_partita(problem) from problem
         return (rows,)
-    state = State.FAILING if problem is not None else State.CALLING
-    said = _exchange(state, rows, _problem_text(problem) if problem is not None else description)
-    error = _failure(said)
-    if error is None and (why := _left_early(said, dist.get_rank())):
+    rank = dist.get_rank()
+    if problem is None:
+        said = _exchange(State.CALLING, rows, description)
+    else:
+        failed = RankError.of(rank, problem)
+        said = _exchange(State.FAILING, rows, f"{failed.kind}: {failed.message}", failed)
+    error = first_error([s.error for s in said], len(said))
+    if error is None and (why := _left_early(said, rank)):
         error = PartitaError(why)
     if error is None and len({s.text for s in said}) > 1:
         groups: dict[str, list[int]] = {}
@@ -128,10 +107,6 @@ def agree(description: str, what: str, problem: BaseException | None = None, row
     if error is not None:
         raise error from problem
     return tuple(s.rows for s in said)
-
-
-def _as_partita(problem: BaseException) -> PartitaError:
-    return problem if isinstance(problem, PartitaError) else PartitaError(f"{type(problem).__name__}: {problem}")
 
 
 def agree_call(description: str, rows: int, problem: BaseException | None = None) -> tuple[int, ...]:

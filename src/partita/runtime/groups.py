@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
 from torch import nn
 
-from partita.launch.env import timeout
+from partita import settings
 from partita.plan.plan import Plan
 from partita.runtime.grads import ParamGroup
 
 
 def _new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
     # every rank must create every group, in the same order, even the ones it is not in
-    return dist.new_group(list(ranks), timeout=timeout()) if dist.is_initialized() else None
+    return dist.new_group(list(ranks), timeout=timedelta(seconds=settings.timeout_s())) if dist.is_initialized() else None
 
 
 def pipeline_groups(plan: Plan) -> list[dist.ProcessGroup | None]:
