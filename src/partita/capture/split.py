@@ -96,7 +96,23 @@ def _scalar_expr(node: fx.Node):
 
 def split(cap: CapturedGraph, stage_of_unit: list[int], num_stages: int) -> list[StageGraph]:
     """Build one module per stage; `stage_of_unit[i]` is the stage of unit i (non-decreasing)."""
-    groups = units(cap)
+    stage_of, local = _nodes_of_stages(units(cap), stage_of_unit, num_stages)
+    kinds = {n.name: _kind(n, cap) for n in cap.gm.graph.nodes}
+    order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
+    out_nodes = _tensor_outputs(cap, kinds)
+    needs, free_needed, first_use = _values_read(local, stage_of, kinds, out_nodes)
+    substitute = _sizes_read_in_place(cap, local, needs, free_needed, first_use, kinds, order)
+    inputs, outputs = _values_sent(cap, needs, stage_of, kinds, order, out_nodes)
+    last = num_stages - 1
+    return [
+        _build(cap, s, local[s], inputs[s], outputs[s], kinds, substitute, s == last)
+        for s in range(num_stages)
+    ]
+
+
+def _nodes_of_stages(groups: list[list[fx.Node]], stage_of_unit: list[int], num_stages: int,
+                     ) -> tuple[dict[str, int], list[list[fx.Node]]]:
+    """Each operation's stage (by node name), and each stage's operations in graph order."""
     if len(stage_of_unit) != len(groups):
         raise InternalError(f"split was given stages for {len(stage_of_unit)} units, the graph has {len(groups)}")
     if any(b < a for a, b in zip(stage_of_unit, stage_of_unit[1:])):
@@ -110,19 +126,27 @@ def split(cap: CapturedGraph, stage_of_unit: list[int], num_stages: int) -> list
     for s in range(num_stages):
         if not local[s]:
             raise PlanError(f"stage {s} has no operations; use fewer stages than the graph's {len(groups)} blocks")
+    return stage_of, local
 
-    kinds = {n.name: _kind(n, cap) for n in cap.gm.graph.nodes}
-    order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
-    last = num_stages - 1
+
+def _tensor_outputs(cap: CapturedGraph, kinds: dict[str, str]) -> list[fx.Node]:
+    """The nodes the model returns, which must be tensors (or inputs passed through)."""
     out_nodes = [o for o in cap.outputs if isinstance(o, fx.Node)]
     for o in out_nodes:
         if not _is_tensor_value(o) and kinds[o.name] != "input":
             raise PlanError(f"the model returns '{o.name}', which is not a tensor; return tensors only")
+    return out_nodes
 
-    # Tensor values each stage reads directly.
+
+def _values_read(local: list[list[fx.Node]], stage_of: dict[str, int], kinds: dict[str, str],
+                 out_nodes: list[fx.Node]) -> tuple[list[set[str]], list[list[fx.Node]], list[dict[str, int]]]:
+    """What each stage reads directly: the tensor values it needs from before it (user inputs, other stages'
+    results; the last stage also the outputs it does not compute), the free nodes (shape arithmetic,
+    constants) it recomputes, and for each free node the position of its first reader in the stage."""
+    num_stages = len(local)
     needs: list[set[str]] = [set() for _ in range(num_stages)]
     free_needed: list[list[fx.Node]] = [[] for _ in range(num_stages)]
-    first_use: list[dict[str, int]] = [{} for _ in range(num_stages)]  # free node -> position of its first reader
+    first_use: list[dict[str, int]] = [{} for _ in range(num_stages)]
 
     def visit_free(s: int, node: fx.Node, seen: set[str], position: int):
         if node.name in seen:
@@ -143,17 +167,23 @@ def split(cap: CapturedGraph, stage_of_unit: list[int], num_stages: int) -> list
                     needs[s].add(a.name)
                 elif k == "free":
                     visit_free(s, a, seen, position)
-        if s == last:
+        if s == num_stages - 1:
             for o in out_nodes:
                 if kinds[o.name] == "input" or stage_of.get(o.name) != s:
                     needs[s].add(o.name)
+    return needs, free_needed, first_use
 
-    # Shape arithmetic: read a size from a tensor the stage already has, else receive the tensor.
+
+def _sizes_read_in_place(cap: CapturedGraph, local: list[list[fx.Node]], needs: list[set[str]],
+                         free_needed: list[list[fx.Node]], first_use: list[dict[str, int]],
+                         kinds: dict[str, str], order: dict[str, int]) -> dict[tuple[int, str], tuple[str, int]]:
+    """Shape arithmetic a stage recomputes: a size it can read from a tensor it already has (received, or
+    computed before the size is needed) becomes (stage, size node) -> (that tensor, dim); otherwise the stage
+    receives the tensor the size is taken from (added to `needs`)."""
     substitute: dict[tuple[int, str], tuple[str, int]] = {}
-    for s in range(num_stages):
+    for s in range(len(local)):
         local_names = {n.name for n in local[s]}
         for f in free_needed[s]:
-            # a size can be read from what the stage received, or from what it computed before it needs it
             available = needs[s] | {n.name for n in local[s][:first_use[s][f.name]]}
             for a in f.all_input_nodes:
                 if kinds[a.name] not in ("op", "item", "input") or a.name in available or a.name in local_names:
@@ -170,8 +200,15 @@ def split(cap: CapturedGraph, stage_of_unit: list[int], num_stages: int) -> list
                     substitute[(s, f.name)] = src
                 else:
                     needs[s].add(a.name)
+    return substitute
 
-    # Which stages each value crosses: from its producer to its last reader.
+
+def _values_sent(cap: CapturedGraph, needs: list[set[str]], stage_of: dict[str, int], kinds: dict[str, str],
+                 order: dict[str, int], out_nodes: list[fx.Node]) -> tuple[list[list[str]], list[list[str]]]:
+    """The values each stage receives and sends on, in graph order: a value crosses every stage from its
+    producer to its last reader. Every stage receives something (a message starts it); the last stage sends
+    the model's outputs."""
+    num_stages = len(needs)
     producer: dict[str, int] = {}
     last_reader: dict[str, int] = {}
     for s in range(num_stages):
@@ -190,12 +227,8 @@ def split(cap: CapturedGraph, stage_of_unit: list[int], num_stages: int) -> list
             for t in range(1, s):
                 if inputs[0][0] not in inputs[t]:
                     inputs[t].append(inputs[0][0])
-    outputs = [inputs[s + 1] for s in range(last)] + [[o.name for o in out_nodes]]
-
-    return [
-        _build(cap, s, local[s], inputs[s], outputs[s], kinds, substitute, s == last)
-        for s in range(num_stages)
-    ]
+    outputs = [inputs[s + 1] for s in range(num_stages - 1)] + [[o.name for o in out_nodes]]
+    return inputs, outputs
 
 
 def _build(cap, s, nodes, inputs, outputs, kinds, substitute, is_last) -> StageGraph:

@@ -63,31 +63,55 @@ def _nodes(text: str) -> tuple[int, int]:
 
 def run(args) -> int:
     # torch's launcher modules are imported here, so that `partita --help` stays fast
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, launch_agent
+    from torch.distributed.launcher.api import launch_agent
 
     from partita.launch import agent
 
+    problem = _usage_problem(args)
+    if problem is not None:
+        print(f"partita run: {problem}", file=sys.stderr)
+        return 2
+    resume_file = _prepare_environment(args.nproc, args.log_dir)
+    logs = _printed_logs(args, resume_file)
+    try:
+        with agent.installed():  # kills a rank stopped by SIGSTOP at once, not after 30 s
+            launch_agent(_launch_config(args, logs), sys.executable, ["-u", args.script, *args.args])
+    except (ChildFailedError, SignalException) as e:
+        return _failed_status(e, args, logs, resume_file)
+    print(f"partita run: all {args.nproc} ranks finished", flush=True)
+    return 0
+
+
+def _usage_problem(args) -> str | None:
+    """What is wrong with the command line, if something is (a malformed --nnodes raises a LaunchError)."""
     if not os.path.exists(args.script):
-        print(f"partita run: no such script: {args.script}", file=sys.stderr)
-        return 2
+        return f"no such script: {args.script}"
     if args.nproc < 1:
-        print("partita run: -n must be at least 1", file=sys.stderr)
-        return 2
-    low, high = _nodes(args.nnodes)
-    standalone = not args.rdzv_endpoint
-    if standalone and low > 1:
-        print(f"partita run: --nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT and --rdzv-id on every node: "
-              "without them no other node finds this one, and the job would wait for them.", file=sys.stderr)
-        return 2
+        return "-n must be at least 1"
+    low, _ = _nodes(args.nnodes)
+    if not args.rdzv_endpoint and low > 1:
+        return (f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT and --rdzv-id on every node: "
+                "without them no other node finds this one, and the job would wait for them.")
+    return None
+
+
+def _prepare_environment(nproc: int, log_dir: str) -> str:
+    """Set what the agent and the ranks inherit; the resume file (see `_resume_file`)."""
     # each rank's share of the cores this command may run on (its CPU affinity), unless the user chose
-    os.environ.setdefault("OMP_NUM_THREADS", str(cores_per_rank(usable_cores(), args.nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(cores_per_rank(usable_cores(), nproc)))
     # torch 2.13's agents share one store across rendezvous rounds, and a node that joins a running job (round 1
     # or later) waits forever for the store address that only the first round publishes (pytorch#135712):
     # each round gets a store of its own instead, hosted by its rank 0 on a fresh port
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    resume_file = _resume_file(args.log_dir)
+    return _resume_file(log_dir)
+
+
+def _printed_logs(args, resume_file: str):
+    """The ranks' log files (torch's DefaultLogsSpecs), announced on the console at each attempt's start;
+    `.last` is the latest attempt's files."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
     class PrintedLogs(DefaultLogsSpecs):
         """torch's log layout, announced on the console when each attempt starts (torch calls `reify` then, before
@@ -112,35 +136,46 @@ def run(args) -> int:
                 print(f"  rank {rank}: {dest.stdouts[local_rank]} (stderr: {dest.stderrs[local_rank]})", flush=True)
             return dest
 
-    config = LaunchConfig(
+    return PrintedLogs(log_dir=args.log_dir, redirects=Std.ALL, tee=Std.NONE if args.quiet else Std.ALL)
+
+
+def _launch_config(args, logs):
+    """The torch elastic agent's configuration: a standalone job without --rdzv-endpoint."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    low, high = _nodes(args.nnodes)
+    standalone = not args.rdzv_endpoint
+    return LaunchConfig(
         min_nodes=low, max_nodes=high, nproc_per_node=args.nproc,
         run_id=args.rdzv_id or str(uuid.uuid4()), role="rank",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0" if standalone else args.rdzv_endpoint,
         rdzv_configs={"last_call_timeout": args.last_call, **({"is_host": True} if standalone else {})},
         max_restarts=args.max_restarts, monitor_interval=0.1, start_method="spawn", shutdown_timeout=args.stop_timeout,
-        signals_to_handle=PASSED_ON,
-        logs_specs=PrintedLogs(log_dir=args.log_dir, redirects=Std.ALL, tee=Std.NONE if args.quiet else Std.ALL),
+        signals_to_handle=PASSED_ON, logs_specs=logs,
     )
-    try:
-        with agent.installed():  # kills a rank stopped by SIGSTOP at once, not after 30 s
-            launch_agent(config, sys.executable, ["-u", args.script, *args.args])
-    except (ChildFailedError, SignalException) as e:
-        if os.path.exists(resume_file):
-            with open(resume_file) as f:
-                saved = f.read()
-            print(f"partita run: the ranks saved {saved} and stopped to be resumed; run the same command again to "
-                  f"continue (exit status {RESUME_EXIT_CODE})", file=sys.stderr)
-            return RESUME_EXIT_CODE
-        if isinstance(e, SignalException):
-            print(f"partita run: stopped by {e.sigval.name}; the ranks were stopped too", file=sys.stderr)
-            return 128 + e.sigval
-        rank, failure = _first_failure(e.failures, agent.Agent.killed)
-        logs = PrintedLogs.last.stderrs.get(failure.local_rank, args.log_dir) if PrintedLogs.last else args.log_dir
-        spent = f" (no restart left of --max-restarts {args.max_restarts})" if args.max_restarts else ""
-        print(f"partita run: rank {rank} {_how(failure.exitcode)}{spent}; its log: {logs}", file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
-    print(f"partita run: all {args.nproc} ranks finished", flush=True)
-    return 0
+
+
+def _failed_status(e, args, logs, resume_file: str) -> int:
+    """The command's exit status when the job did not finish (ChildFailedError or SignalException `e`), after
+    saying why: the ranks saved to be resumed, a signal stopped the command, or the first rank that failed."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    from partita.launch import agent
+
+    if os.path.exists(resume_file):
+        with open(resume_file) as f:
+            saved = f.read()
+        print(f"partita run: the ranks saved {saved} and stopped to be resumed; run the same command again to "
+              f"continue (exit status {RESUME_EXIT_CODE})", file=sys.stderr)
+        return RESUME_EXIT_CODE
+    if isinstance(e, SignalException):
+        print(f"partita run: stopped by {e.sigval.name}; the ranks were stopped too", file=sys.stderr)
+        return 128 + e.sigval
+    rank, failure = _first_failure(e.failures, agent.Agent.killed)
+    logs_at = logs.last.stderrs.get(failure.local_rank, args.log_dir) if logs.last else args.log_dir
+    spent = f" (no restart left of --max-restarts {args.max_restarts})" if args.max_restarts else ""
+    print(f"partita run: rank {rank} {_how(failure.exitcode)}{spent}; its log: {logs_at}", file=sys.stderr)
+    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
 
 
 def _resume_file(log_dir: str) -> str:
