@@ -23,7 +23,7 @@ from partita.plan import Constraints, Plan
 from partita.plan.choose import simulate_plan, user_loss_problem
 from partita.planning import Planned, PlanRequest, agreed_plan
 from partita.runtime import agreement
-from partita.runtime.batch import Call, loss_of, local_rows
+from partita.runtime.batch import Call, local_rows, loss_of, split_target
 from partita.runtime.build import build_runtime
 from partita.runtime.optim import optimizer_state_factor
 from partita.runtime.run import Held, Runtime, in_mode
@@ -60,7 +60,7 @@ class ParallelModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         world = env.init()
-        args, target, problem = self._split_target(args, kwargs)
+        args, target, problem = split_target(args, kwargs, with_loss=self._loss is not None)
         tensors, signature = [], None
         try:
             tensors, signature = flatten_call(tuple(args), kwargs)
@@ -72,27 +72,9 @@ class ParallelModule(nn.Module):
             self._setup(call)
         return self._runtime(call)
 
-    def _split_target(self, args: tuple, kwargs: dict) -> tuple[tuple, torch.Tensor | None, BatchError | None]:
-        """(inputs, target, problem): with loss_fn, the last positional argument is the target."""
-        if self._loss is None:
-            return args, None, None
-        if not args or len(args) + len(kwargs) < 2:
-            return args, None, BatchError(
-                "this model was parallelized with loss_fn, so every call is model(*inputs, target) and returns "
-                "the loss; to get outputs, parallelize without loss_fn")
-        *inputs, target = args
-        if not isinstance(target, torch.Tensor):
-            return tuple(inputs), None, BatchError(
-                f"the target (last positional argument) must be a tensor, got {type(target).__name__}")
-        return tuple(inputs), target, None
-
     def _agree_call(self, tensors: list[torch.Tensor], target: torch.Tensor | None, signature: CallSignature | None,
                     problem: BatchError | None, device: torch.device) -> tuple[int, ...]:
-        """Every rank's local rows, once all ranks agree on this call (one small collective): a problem found on
-        one rank alone (an input on the wrong device, say) is raised on every rank, so that no rank is left
-        waiting in a collective for the one that stopped; so is a rank that stopped calling. Under data
-        parallelism the ranks' sizes beyond the batch may differ (each pads its own sequences, say), as with
-        DDP; a pipeline's stages need the same shapes everywhere."""
+        """Every rank's local rows, once all ranks agree on this call (see runtime.agreement)."""
         every = tensors + ([target] if target is not None else [])
         problem = problem or misplaced(every, device) or dtype_problem(self._input_dtypes, tensors)
         rows = 0
@@ -101,13 +83,9 @@ class ParallelModule(nn.Module):
         except BatchError as e:
             problem = problem or e
         same_shapes = self._runtime is None or self._runtime.same_shapes
-        shape = (lambda t: tuple(t.shape[1:])) if same_shapes else (lambda t: t.dim())
-        shapes = [(shape(t), str(t.dtype), t.requires_grad) for t in tensors]
-        if target is not None:
-            shapes.append(("target", shape(target), str(target.dtype)))
-        structure = signature.key[:2] if signature is not None else None
-        mode = f"training={self.module.training} grad={torch.is_grad_enabled()}"
-        return agreement.agree_call(f"{structure} {shapes} {mode}", rows, problem)
+        description = agreement.describe_call(tensors, target, signature, same_shapes=same_shapes,
+                                              training=self.module.training)
+        return agreement.agree_call(description, rows, problem)
 
     def _setup(self, call: Call) -> None:
         world = env.world()

@@ -81,3 +81,19 @@ class Call:
     signature: CallSignature
     target: torch.Tensor | None  # with a loss function: what the loss compares the outputs to
     rows: tuple[int, ...]  # every rank's local rows
+
+
+def split_target(args: tuple, kwargs: dict, *, with_loss: bool) -> tuple[tuple, torch.Tensor | None,
+                                                                          BatchError | None]:
+    """(inputs, target, problem): with a loss function, the last positional argument is the target."""
+    if not with_loss:
+        return args, None, None
+    if not args or len(args) + len(kwargs) < 2:
+        return args, None, BatchError(
+            "this model was parallelized with loss_fn, so every call is model(*inputs, target) and returns the "
+            "loss; to get outputs, parallelize without loss_fn")
+    *inputs, target = args
+    if not isinstance(target, torch.Tensor):
+        return tuple(inputs), None, BatchError(
+            f"the target (last positional argument) must be a tensor, got {type(target).__name__}")
+    return tuple(inputs), target, None
