@@ -46,6 +46,30 @@ def simulate(orders: Sequence[Sequence[Action]], costs: StageCosts, tail_s: Sequ
         raise ValueError(f"tail_s has {len(tail_s)} entries; it needs one per rank ({num_ranks})")
     rank_of = _placement(orders, num_stages)
     send_activations_s, send_gradients_s = _transfer_times(costs, rank_of)
+    starts_s, ends_s, busy_s = _run(orders, costs, send_activations_s, send_gradients_s)
+    _raise_if_stuck(orders, starts_s)
+    makespan_s = max((ends[-1] for ends in ends_s if ends), default=0.0)
+    capacity_s = num_ranks * makespan_s
+    return Trace(
+        step_s=makespan_s + max(tail_s),
+        makespan_s=makespan_s,
+        busy_s=tuple(busy_s),
+        bubble_fraction=1.0 - sum(busy_s) / capacity_s if capacity_s else 0.0,
+        orders=tuple(map(tuple, orders)),
+        starts_s=tuple(map(tuple, starts_s)),
+        ends_s=tuple(map(tuple, ends_s)),
+        send_activations_s=tuple(send_activations_s),
+        send_gradients_s=tuple(send_gradients_s),
+        tail_s=tail_s,
+    )
+
+
+def _run(orders: Sequence[Sequence[Action]], costs: StageCosts, send_activations_s: list[float],
+         send_gradients_s: list[float]) -> tuple[list[list[float]], list[list[float]], list[float]]:
+    """The event loop: when each action of `orders` starts and ends, and each rank's busy time. One flat loop
+    on purpose: the planner simulates thousands of layouts, and a call per action would cost more than the
+    action's own bookkeeping."""
+    num_ranks, num_stages = len(orders), costs.num_stages
     duration_s = {FORWARD: costs.forward_s, FULL_BACKWARD: costs.backward_s,
                   BACKWARD_INPUT: costs.backward_input_s, BACKWARD_WEIGHT: costs.backward_weight_s}
     last_stage = num_stages - 1
@@ -100,22 +124,7 @@ def simulate(orders: Sequence[Sequence[Action]], costs: StageCosts, tail_s: Sequ
             if waiting is not None:
                 ready_ranks.append(waiting)
         busy_s[rank] = busy
-    _raise_if_stuck(orders, starts_s)
-
-    makespan_s = max((ends[-1] for ends in ends_s if ends), default=0.0)
-    capacity_s = num_ranks * makespan_s
-    return Trace(
-        step_s=makespan_s + max(tail_s),
-        makespan_s=makespan_s,
-        busy_s=tuple(busy_s),
-        bubble_fraction=1.0 - sum(busy_s) / capacity_s if capacity_s else 0.0,
-        orders=tuple(map(tuple, orders)),
-        starts_s=tuple(map(tuple, starts_s)),
-        ends_s=tuple(map(tuple, ends_s)),
-        send_activations_s=tuple(send_activations_s),
-        send_gradients_s=tuple(send_gradients_s),
-        tail_s=tail_s,
-    )
+    return starts_s, ends_s, busy_s
 
 
 def _placement(orders: Sequence[Sequence[Action]], num_stages: int) -> list[int]:
