@@ -13,6 +13,7 @@ schedules, so partita splits the exported graph itself. Each stage module:
 
 from __future__ import annotations
 
+import enum
 import operator
 from dataclasses import dataclass
 
@@ -32,22 +33,33 @@ _DROPPED = {
 _SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 
 
-def _kind(node: fx.Node, cap: CapturedGraph) -> str:
-    """'input' | 'state' | 'free' | 'drop' | 'item' | 'op' | 'output'."""
+class NodeKind(enum.Enum):
+    """What a node of the captured graph is to the splitter."""
+
+    INPUT = "input"  # a user input (placeholder)
+    STATE = "state"  # a parameter or buffer (placeholder): each stage that reads it holds it as an attribute
+    FREE = "free"  # a constant (get_attr) or shape arithmetic (a scalar): recomputed by each stage that needs it
+    DROP = "drop"  # a runtime assertion of the export: dropped
+    ITEM = "item"  # an element of an op's tuple result: in the unit of that op
+    OP = "op"  # an operation on tensors: a unit of its own
+    OUTPUT = "output"  # the graph's output node
+
+
+def _kind(node: fx.Node, cap: CapturedGraph) -> NodeKind:
     if node.op == "placeholder":
-        return "input" if node.name in cap.user_inputs else "state"
+        return NodeKind.INPUT if node.name in cap.user_inputs else NodeKind.STATE
     if node.op == "get_attr":
-        return "free"
+        return NodeKind.FREE
     if node.op == "output":
-        return "output"
+        return NodeKind.OUTPUT
     if node.target in _DROPPED:
-        return "drop"
+        return NodeKind.DROP
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
             and isinstance(node.args[0].meta.get("val"), (list, tuple)):
-        return "item"
+        return NodeKind.ITEM
     if isinstance(node.meta.get("val"), _SCALARS):
-        return "free"
-    return "op"
+        return NodeKind.FREE
+    return NodeKind.OP
 
 
 def units(cap: CapturedGraph) -> list[list[fx.Node]]:
@@ -56,10 +68,10 @@ def units(cap: CapturedGraph) -> list[list[fx.Node]]:
     unit_of: dict[str, int] = {}
     for node in cap.gm.graph.nodes:
         kind = _kind(node, cap)
-        if kind == "op":
+        if kind == NodeKind.OP:
             unit_of[node.name] = len(out)
             out.append([node])
-        elif kind == "item":
+        elif kind == NodeKind.ITEM:
             owner = unit_of[node.args[0].name]
             unit_of[node.name] = owner
             out[owner].append(node)
@@ -129,16 +141,16 @@ def _nodes_of_stages(groups: list[list[fx.Node]], stage_of_unit: list[int], num_
     return stage_of, local
 
 
-def _tensor_outputs(cap: CapturedGraph, kinds: dict[str, str]) -> list[fx.Node]:
+def _tensor_outputs(cap: CapturedGraph, kinds: dict[str, NodeKind]) -> list[fx.Node]:
     """The nodes the model returns, which must be tensors (or inputs passed through)."""
     out_nodes = [o for o in cap.outputs if isinstance(o, fx.Node)]
     for o in out_nodes:
-        if not _is_tensor_value(o) and kinds[o.name] != "input":
+        if not _is_tensor_value(o) and kinds[o.name] != NodeKind.INPUT:
             raise PlanError(f"the model returns '{o.name}', which is not a tensor; return tensors only")
     return out_nodes
 
 
-def _values_read(local: list[list[fx.Node]], stage_of: dict[str, int], kinds: dict[str, str],
+def _values_read(local: list[list[fx.Node]], stage_of: dict[str, int], kinds: dict[str, NodeKind],
                  out_nodes: list[fx.Node]) -> tuple[list[set[str]], list[list[fx.Node]], list[dict[str, int]]]:
     """What each stage reads directly: the tensor values it needs from before it (user inputs, other stages'
     results; the last stage also the outputs it does not compute), the free nodes (shape arithmetic,
@@ -155,7 +167,7 @@ def _values_read(local: list[list[fx.Node]], stage_of: dict[str, int], kinds: di
         free_needed[s].append(node)
         first_use[s][node.name] = position
         for a in node.all_input_nodes:
-            if kinds[a.name] == "free":
+            if kinds[a.name] == NodeKind.FREE:
                 visit_free(s, a, seen, position)
 
     for s in range(num_stages):
@@ -163,20 +175,20 @@ def _values_read(local: list[list[fx.Node]], stage_of: dict[str, int], kinds: di
         for position, node in enumerate(local[s]):
             for a in node.all_input_nodes:
                 k = kinds[a.name]
-                if k == "input" or (k in ("op", "item") and stage_of[a.name] != s):
+                if k == NodeKind.INPUT or (k in (NodeKind.OP, NodeKind.ITEM) and stage_of[a.name] != s):
                     needs[s].add(a.name)
-                elif k == "free":
+                elif k == NodeKind.FREE:
                     visit_free(s, a, seen, position)
         if s == num_stages - 1:
             for o in out_nodes:
-                if kinds[o.name] == "input" or stage_of.get(o.name) != s:
+                if kinds[o.name] == NodeKind.INPUT or stage_of.get(o.name) != s:
                     needs[s].add(o.name)
     return needs, free_needed, first_use
 
 
 def _sizes_read_in_place(cap: CapturedGraph, local: list[list[fx.Node]], needs: list[set[str]],
                          free_needed: list[list[fx.Node]], first_use: list[dict[str, int]],
-                         kinds: dict[str, str], order: dict[str, int]) -> dict[tuple[int, str], tuple[str, int]]:
+                         kinds: dict[str, NodeKind], order: dict[str, int]) -> dict[tuple[int, str], tuple[str, int]]:
     """Shape arithmetic a stage recomputes: a size it can read from a tensor it already has (received, or
     computed before the size is needed) becomes (stage, size node) -> (that tensor, dim); otherwise the stage
     receives the tensor the size is taken from (added to `needs`)."""
@@ -186,7 +198,8 @@ def _sizes_read_in_place(cap: CapturedGraph, local: list[list[fx.Node]], needs: 
         for f in free_needed[s]:
             available = needs[s] | {n.name for n in local[s][:first_use[s][f.name]]}
             for a in f.all_input_nodes:
-                if kinds[a.name] not in ("op", "item", "input") or a.name in available or a.name in local_names:
+                if kinds[a.name] not in (NodeKind.OP, NodeKind.ITEM, NodeKind.INPUT) \
+                        or a.name in available or a.name in local_names:
                     continue
                 expr = _scalar_expr(f)
                 src = None
@@ -203,8 +216,9 @@ def _sizes_read_in_place(cap: CapturedGraph, local: list[list[fx.Node]], needs: 
     return substitute
 
 
-def _values_sent(cap: CapturedGraph, needs: list[set[str]], stage_of: dict[str, int], kinds: dict[str, str],
-                 order: dict[str, int], out_nodes: list[fx.Node]) -> tuple[list[list[str]], list[list[str]]]:
+def _values_sent(cap: CapturedGraph, needs: list[set[str]], stage_of: dict[str, int],
+                 kinds: dict[str, NodeKind], order: dict[str, int], out_nodes: list[fx.Node],
+                 ) -> tuple[list[list[str]], list[list[str]]]:
     """The values each stage receives and sends on, in graph order: a value crosses every stage from its
     producer to its last reader. Every stage receives something (a message starts it); the last stage sends
     the model's outputs."""
@@ -213,11 +227,11 @@ def _values_sent(cap: CapturedGraph, needs: list[set[str]], stage_of: dict[str, 
     last_reader: dict[str, int] = {}
     for s in range(num_stages):
         for name in needs[s]:
-            producer[name] = 0 if kinds[name] == "input" else stage_of[name]
+            producer[name] = 0 if kinds[name] == NodeKind.INPUT else stage_of[name]
             last_reader[name] = max(last_reader.get(name, -1), s)
     crossing = sorted(last_reader, key=order.get)
     inputs = [[v for v in crossing if producer[v] < s <= last_reader[v]
-               or (s == 0 and kinds[v] == "input")] for s in range(num_stages)]
+               or (s == 0 and kinds[v] == NodeKind.INPUT)] for s in range(num_stages)]
     inputs[0] = [v for v in cap.user_inputs if v in last_reader]
     if not inputs[0]:
         inputs[0] = cap.user_inputs[:1]
@@ -246,21 +260,21 @@ def _build(cap, s, nodes, inputs, outputs, kinds, substitute, is_last) -> StageG
         if node.name in env:
             return env[node.name]
         kind = kinds[node.name]
-        if kind == "state":
+        if kind == NodeKind.STATE:
             attrs[node.name] = cap.tensor_of[node.name]
             if node.name in cap.parameters:
                 parameters[node.name] = cap.fqn_of[node.name]
             new = graph.get_attr(node.name)
-        elif kind == "free" and node.op == "get_attr":
+        elif kind == NodeKind.FREE and node.op == "get_attr":
             attrs[node.target] = getattr(cap.gm, node.target)
             new = graph.get_attr(node.target)
-        elif kind == "free" and (s, node.name) in substitute:
+        elif kind == NodeKind.FREE and (s, node.name) in substitute:
             src, dim = substitute[(s, node.name)]
             new = graph.call_function(torch.ops.aten.sym_size.int, (get(cap.node(src)), dim))
-        elif kind == "free":
+        elif kind == NodeKind.FREE:
             new = graph.node_copy(node, get)
         else:
-            raise InternalError(f"stage {s} reads '{node.name}' ({kind}) but nothing provides it")
+            raise InternalError(f"stage {s} reads '{node.name}' ({kind.value}) but nothing provides it")
         new.meta = dict(node.meta)
         env[node.name] = new
         return new
