@@ -53,9 +53,6 @@ class Fit:
         return Fit(tuple((f * k, p * k) for f, p in self.lines))
 
 
-ZERO = Fit.line(0.0, 0.0)
-
-
 @dataclass(frozen=True)
 class Block:
     index: int
