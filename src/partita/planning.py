@@ -16,7 +16,7 @@ import torch.distributed as dist
 from partita import settings
 from partita.capture.export import CapturedGraph
 from partita.cluster import Cluster
-from partita.errors import PartitaError, PlanError, RankError
+from partita.errors import InternalError, PartitaError, PlanError, RankError
 from partita.graph import ModelGraph, Profile
 from partita.graph.profile import roofline_profile
 from partita.launch import env
@@ -59,7 +59,7 @@ def agreed_plan(cap: CapturedGraph, graph: ModelGraph, rows: tuple[int, ...], re
             result[0] = _make_plan(graph, max(rows) * len(rows), profile, cluster, request).to_json()
         except Exception as e:  # noqa: BLE001 - every rank raises it, none waits for a plan that never comes
             result[0] = RankError.of(0, e if isinstance(e, PartitaError) else
-                                      PlanError(f"rank 0 failed to plan: {type(e).__name__}: {e}"))
+                                      InternalError(f"rank 0 failed to plan: {type(e).__name__}: {e}"))
     if world.world_size > 1:
         dist.broadcast_object_list(result, src=0)
     if isinstance(result[0], RankError):

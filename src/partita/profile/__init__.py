@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -75,74 +75,102 @@ def measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loca
                         show_progress)
 
 
+@dataclass(frozen=True)
+class _Job:
+    """Where measuring runs: this rank, the job's size, the device and what it is."""
+
+    rank: int
+    world: int
+    local_world_size: int
+    device: torch.device
+    spec: DeviceSpec
+    cores: int  # CPU cores this process may use (0 on CUDA)
+    say: bool  # rank 0 tells what it measures (unless PARTITA_LOG=off or show_progress=False)
+
+
 def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, local_world_size: int,
              memory_per_rank: int, parallelize: Parallelize,
              show_progress: bool) -> tuple[Profile | None, Cluster | None]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    spec = device_spec(device)
-    cores = len(os.sched_getaffinity(0)) if device.type == "cpu" else 0
+    job = _Job(rank, world, local_world_size, device, device_spec(device),
+               len(os.sched_getaffinity(0)) if device.type == "cpu" else 0,
+               show_progress and rank == 0 and not log.disabled and log.isEnabledFor(logging.INFO))
     dtype = str(next((t.dtype for t in cap.tensor_of.values() if t.is_floating_point()), torch.float32))
-    blocks_key = cache.key(MEASUREMENT_VERSION, [b.signature for b in graph.blocks], profile_rows(local_batch), spec.name,
-                           str(device.type), torch.__version__, dtype)
-    links_key = cache.key(MEASUREMENT_VERSION, dist.get_backend() if dist.is_initialized() else "none", world, local_world_size,
-                          spec.name, torch.__version__)
+    blocks_key = cache.key(MEASUREMENT_VERSION, [b.signature for b in graph.blocks], profile_rows(local_batch),
+                           job.spec.name, str(device.type), torch.__version__, dtype)
+    links_key = cache.key(MEASUREMENT_VERSION, dist.get_backend() if dist.is_initialized() else "none", world,
+                          local_world_size, job.spec.name, torch.__version__)
     cached_profile = cache.load("profile", blocks_key) if rank == 0 else None
     cached_links = cache.load("links", links_key) if rank == 0 else None
-
-    at_once = cores if local_world_size > cores else 0
-    # rank 0 says what it measures and where the results are kept, unless PARTITA_LOG=off
-    say = show_progress and rank == 0 and not log.disabled and log.isEnabledFor(logging.INFO)
-    if say:
+    if job.say:
         _announce(graph, local_batch, world, cached_profile is not None, cached_links is not None)
     if _agreed(cached_profile is not None):
         profile = Profile.from_json(cached_profile) if rank == 0 else None
     else:
-        started = time.perf_counter()
-        costs = measure_blocks(cap, graph, local_batch, device, say, at_once=at_once)
-        if say:
-            log.info("blocks measured in %s", seconds(time.perf_counter() - started))
-        profile = None
+        profile = _block_costs(cap, graph, local_batch, job)
         if rank == 0:
-            source = f"measured on {spec.name if device.type == 'cuda' else 'cpu'} ({device}), torch {torch.__version__}"
-            profile = Profile(source, tuple(costs[b.signature] for b in graph.blocks),
-                              stream_bandwidth(sum(graph.param_bytes.values()), device))
             cache.store("profile", blocks_key, profile.to_json())
-
-    per_node = max(1, min(local_world_size, world))
-
-    def cluster_of(links: dict, overhead_bytes: int = -1) -> Cluster:
-        return Cluster(
-            device=spec, num_nodes=max(1, world // per_node), devices_per_node=per_node,
-            p2p=Link(*links["p2p"]) if links["p2p"] else None,
-            allreduce=Link(*links["allreduce"]) if links["allreduce"] else None, allreduce_ranks=world,
-            memory_bytes=memory_per_rank, fixed_overhead_bytes=overhead_bytes,
-            overheads=RuntimeOverheads(**links["overheads"]) if links.get("overheads") else None,
-            cores_per_node=cores if per_node > cores else 0,
-        )
-
     if _agreed(cached_links is not None):
         links = json.loads(cached_links) if rank == 0 else None
     else:
-        started = time.perf_counter()
-        if say and world > 1:
-            log.info("timing messages between the %d ranks (point-to-point and all-reduce, %s to %s), then "
-                     "partita's own costs per step (a small probe model trained %d steps under each of a few plans)",
-                     world, size(min(SIZES_BYTES)), size(max(SIZES_BYTES)), PROBE_STEPS)
-        p2p, allreduce = measure_p2p(device), measure_allreduce(device)
-        links = {"p2p": p2p and [p2p.latency_s, p2p.bandwidth_bps],
-                 "allreduce": allreduce and [allreduce.latency_s, allreduce.bandwidth_bps], "overheads": None}
-        if world > 1:  # collective; fitted on rank 0, against the links just measured
-            runtime = measure_overheads(cluster_of(links) if rank == 0 else None, device, parallelize, at_once)
-            links["overheads"] = runtime and asdict(runtime)
+        links = _links(job, memory_per_rank, parallelize)
         if rank == 0:
             cache.store("links", links_key, json.dumps(links))
-        if say and world > 1:
-            log.info("links and partita's own costs measured in %s", seconds(time.perf_counter() - started))
     overhead = _process_bytes(device)
     if rank != 0:
         return None, None
-    return profile, cluster_of(links, overhead)
+    return profile, _cluster(job, memory_per_rank, links, overhead)
+
+
+def _at_once(job: _Job) -> int:
+    """How many ranks measure at once: all but when they share fewer cores than there are ranks."""
+    return job.cores if job.local_world_size > job.cores else 0
+
+
+def _block_costs(cap, graph: ModelGraph, local_batch: int, job: _Job) -> Profile | None:
+    """The measured Profile of the model's blocks (rank 0; None elsewhere). Collective."""
+    started = time.perf_counter()
+    costs = measure_blocks(cap, graph, local_batch, job.device, job.say, at_once=_at_once(job))
+    if job.say:
+        log.info("blocks measured in %s", seconds(time.perf_counter() - started))
+    if job.rank != 0:
+        return None
+    where = job.spec.name if job.device.type == "cuda" else "cpu"
+    return Profile(f"measured on {where} ({job.device}), torch {torch.__version__}",
+                   tuple(costs[b.signature] for b in graph.blocks),
+                   stream_bandwidth(sum(graph.param_bytes.values()), job.device))
+
+
+def _links(job: _Job, memory_per_rank: int, parallelize: Parallelize) -> dict:
+    """The links between ranks and partita's own costs, as cached (JSON-ready). Collective."""
+    started = time.perf_counter()
+    if job.say and job.world > 1:
+        log.info("timing messages between the %d ranks (point-to-point and all-reduce, %s to %s), then "
+                 "partita's own costs per step (a small probe model trained %d steps under each of a few plans)",
+                 job.world, size(min(SIZES_BYTES)), size(max(SIZES_BYTES)), PROBE_STEPS)
+    p2p, allreduce = measure_p2p(job.device), measure_allreduce(job.device)
+    links = {"p2p": p2p and [p2p.latency_s, p2p.bandwidth_bps],
+             "allreduce": allreduce and [allreduce.latency_s, allreduce.bandwidth_bps], "overheads": None}
+    if job.world > 1:  # collective; fitted on rank 0, against the links just measured
+        cluster = _cluster(job, memory_per_rank, links) if job.rank == 0 else None
+        runtime = measure_overheads(cluster, job.device, parallelize, _at_once(job))
+        links["overheads"] = runtime and asdict(runtime)
+    if job.say and job.world > 1:
+        log.info("links and partita's own costs measured in %s", seconds(time.perf_counter() - started))
+    return links
+
+
+def _cluster(job: _Job, memory_per_rank: int, links: dict, overhead_bytes: int = -1) -> Cluster:
+    per_node = max(1, min(job.local_world_size, job.world))
+    return Cluster(
+        device=job.spec, num_nodes=max(1, job.world // per_node), devices_per_node=per_node,
+        p2p=Link(*links["p2p"]) if links["p2p"] else None,
+        allreduce=Link(*links["allreduce"]) if links["allreduce"] else None, allreduce_ranks=job.world,
+        memory_bytes=memory_per_rank, fixed_overhead_bytes=overhead_bytes,
+        overheads=RuntimeOverheads(**links["overheads"]) if links.get("overheads") else None,
+        cores_per_node=job.cores if per_node > job.cores else 0,
+    )
 
 
 def _announce(graph: ModelGraph, local_batch: int, world: int, blocks_cached: bool, links_cached: bool) -> None:

@@ -29,7 +29,7 @@ from torch import fx
 from partita.capture.export import CapturedGraph
 from partita.capture.shapes import shape_at
 from partita.capture.split import split
-from partita.errors import BatchError, PlanError
+from partita.errors import BatchError, PartitaError, PlanError
 from partita.plan.plan import Plan, check_batch
 from partita.runtime.batch import Loss
 from partita.runtime.grads import GradSync
@@ -285,7 +285,7 @@ class _Loss(torch.autograd.Function):
     def backward(ctx, grad_output):
         step, ctx.step = ctx.step, None
         if step is None:
-            raise RuntimeError("partita: backward through the same loss twice; call the model again")
+            raise PartitaError("backward through the same loss twice; call the model again")
         return (None, None, *step.apply(grad_output.detach()))
 
 
@@ -339,5 +339,5 @@ class _Outputs(torch.autograd.Function):
     def backward(ctx, *grad_leaves):
         run, ctx.run = ctx.run, None
         if run is None:
-            raise RuntimeError("partita: backward through the same outputs twice; call the model again")
+            raise PartitaError("backward through the same outputs twice; call the model again")
         return (None, None, *run.backward(grad_leaves))
