@@ -25,7 +25,7 @@ from partita.runtime.optim import patch_optimizer
 from partita.runtime.ownership import Ownership
 from partita.runtime.pipelined import Engine, Place
 from partita.runtime.route import Replica
-from partita.runtime.run import Runtime
+from partita.runtime.run import Runtime, first_names
 from partita.runtime.state import gather_optimizer_state
 from partita.schedule import Action
 
@@ -53,7 +53,9 @@ class PipelineParallel(Runtime):
         self.grads = GradSync(gradient_groups(plan, ownership.stage_params, rank, self.parameters))
         # the autograd node every returned loss or output hangs from, so that backward reaches partita
         self.anchor = torch.zeros((), requires_grad=True)
-        self.engines = {(True, signature_key, self._requires_grad()): self._engine(cap, list(ownership.stage_of_unit))}
+        # captured in train mode for planning: the engine of training calls with the first call's structure
+        self._last = self._engine(cap, list(ownership.stage_of_unit))
+        self.engines = {(True, signature_key, self._requires_grad()): self._last}
         if optimizer is not None:
             patch_optimizer(optimizer, self._whole_optimizer_state, self.keep_local_optimizer_state)
             # state loaded before this first call (partita.load, load_state_dict) covers the whole model
@@ -92,7 +94,7 @@ class PipelineParallel(Runtime):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def _whole_optimizer_state(self, state_dict: dict) -> dict:
-        first = {id(p): name for name, p in reversed(list(self.parameters.items()))}
+        first = first_names(self.module)
         owner = {i: self.owner_of(first[id(p)]) if id(p) in first else 0
                  for i, p in enumerate(self._optimizer_params())}
         return gather_optimizer_state(state_dict, owner, self.rank)
