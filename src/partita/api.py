@@ -106,16 +106,9 @@ class ParallelModule(nn.Module):
         """Use `plan` (e.g. the one a checkpoint was saved under) at the first call instead of planning, unless
         a plan is already in use, one was given, or it contradicts a choice given to `parallelize`. True if
         adopted. The first call still checks that it fits this model and world."""
-        if self._runtime is not None or self._request.given is not None:
+        if self._runtime is not None or self._request.given is not None or not self._request.constraints.allows(plan):
             return False
-        chosen = {"stages": plan.num_stages, "replicas": plan.num_replicas, "micro_batches": plan.micro_batches,
-                  "schedule": plan.schedule}
-        constraints = self._request.constraints
-        if any(chosen.get(key, value) != value for key, value in constraints.choices().items()):
-            return False
-        if not constraints.allows_schedule(plan.schedule):
-            return False
-        self._request = PlanRequest(constraints, plan, self._request.optimizer_factor)
+        self._request = PlanRequest(self._request.constraints, plan, self._request.optimizer_factor)
         return True
 
     def held(self) -> Held | None:

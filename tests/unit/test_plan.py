@@ -188,3 +188,13 @@ def test_without_loss_fn_only_schedules_that_finish_every_forward_first():
         choose_plan(graph, profile, cluster(8, 300), global_batch=64, optimizer_factor=2,
                     constraints=Constraints(schedule="1F1B", user_loss=True))
 
+
+
+def test_constraints_allow_a_plan_only_if_it_honours_every_choice():
+    graph, profile = model([1, 2, 3, 4])
+    plan = choose_plan(graph, profile, cluster(4, 10**4), global_batch=16, optimizer_factor=0,
+                       constraints=Constraints(stages=2, micro_batches=2, schedule="1F1B"))
+    assert Constraints().allows(plan) and Constraints(stages=2, schedule="1F1B").allows(plan)
+    assert not Constraints(stages=4).allows(plan) and not Constraints(micro_batches=4).allows(plan)
+    assert not Constraints(user_loss=True).allows(plan)  # 1F1B cannot run when the user computes the loss
+    assert not Constraints(recompute=True).allows(plan)

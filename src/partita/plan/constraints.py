@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from partita.plan.plan import Plan
 from partita.schedule.catalog import FORWARDS_FIRST_SCHEDULES
 
 
@@ -27,6 +28,16 @@ class Constraints:
         """The fields the user fixed, by name (for messages and for comparing with a plan)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name != "user_loss" and getattr(self, f.name) is not None}
+
+    def allows(self, plan: Plan) -> bool:
+        """Whether `plan` honours every choice fixed here (a plan saved earlier, offered instead of planning)."""
+        chosen = {"stages": plan.num_stages, "replicas": plan.num_replicas, "micro_batches": plan.micro_batches,
+                  "schedule": plan.schedule}
+        if any(chosen[key] != value for key, value in self.choices().items() if key in chosen):
+            return False
+        if self.recompute is not None and any(s.recompute != self.recompute for s in plan.stages):
+            return False
+        return self.allows_schedule(plan.schedule)
 
     def allows_schedule(self, schedule: str) -> bool:
         if self.schedule is not None and schedule != self.schedule:
