@@ -1,4 +1,5 @@
-"""The search is exact within its space: it agrees with brute force on every small instance."""
+"""The search is exact within its space: it agrees with brute force on every small instance; its bounds never
+exceed a simulated step; it proves its plan optimal on instances of the demo's size."""
 
 import itertools
 import random
@@ -6,13 +7,17 @@ import random
 import pytest
 
 from partita.cluster import Cluster, DeviceSpec, Link
+from partita.cluster.cluster import RuntimeOverheads
 from partita.graph import Block, BlockCost, Fit, ModelGraph, Profile
-from partita.plan.cost import CostModel
-from partita.plan.search import Constraints, _layout_bound, evaluate, layouts, search
+from partita.plan.bounds import gpipe, layout_bound
+from partita.plan.cost import CostModel, Layout
+from partita.plan.search import Constraints, PartitionSearch, evaluate, layouts, search
+from partita.schedule import orders
+from partita.sim import StageCosts, simulate
 
 
-def instance(rng: random.Random):
-    n = rng.randint(1, 7)
+def instance(rng: random.Random, blocks: tuple[int, int] = (1, 7), worlds: tuple[int, ...] = (1, 2, 4)):
+    n = rng.randint(*blocks)
     blocks, param_bytes = [], {}
     for i in range(n):
         params = (f"p{i}",) + (("tied",) if rng.random() < 0.2 else ())
@@ -29,22 +34,30 @@ def instance(rng: random.Random):
     device = DeviceSpec("test", rng.choice([60, 100, 200, 10**4]) * 10**6, {"float32": 1e12}, 1e11, 1.0, 0.0,
                         10 * 10**6, rng.choice([0.0, 1e-4]), rng.choice([0.0, 1e-3]), rng.choice([0.0, 5e-4]),
                         Link(1e-5, 1e10), Link(5e-5, 1e9), 2, "random")
-    world = rng.choice([1, 2, 4])
+    world = rng.choice(worlds)
     cluster = Cluster(device, num_nodes=max(1, world // 2), devices_per_node=min(world, 2))
     return graph, profile, cluster, rng.choice([4, 8, 12]), rng.choice([0.0, 1.0, 2.0])
 
 
-def brute_force(graph, profile, cluster, batch, optimizer_factor):
+def brute_force(graph, profile, cluster, batch, optimizer_factor, constraints=Constraints()):
     best = None
-    for layout in layouts(graph, cluster, batch, Constraints()):
-        model = CostModel(graph, profile, cluster, optimizer_factor, layout)
-        n, s = graph.num_blocks, layout.num_stages
-        for cuts in itertools.combinations(range(1, n), s - 1):
-            ranges = list(zip((0,) + cuts, cuts + (n,)))
-            for recompute in itertools.product([False, True], repeat=s):
-                found = evaluate(model, ranges, list(recompute))
-                if found is not None and (best is None or found.step_s < best):
-                    best = found.step_s
+    for layout in layouts(graph, cluster, batch, constraints):
+        found = brute_force_layout(CostModel(graph, profile, cluster, optimizer_factor, layout))
+        if found is not None and (best is None or found < best):
+            best = found
+    return best
+
+
+def brute_force_layout(model):
+    """The fastest simulated step of every split and recomputation of one layout (None: none fits)."""
+    best = None
+    n, s = model.num_blocks, model.layout.num_stages
+    for cuts in itertools.combinations(range(1, n), s - 1):
+        ranges = list(zip((0,) + cuts, cuts + (n,)))
+        for recompute in itertools.product([False, True], repeat=s):
+            found = evaluate(model, ranges, list(recompute))
+            if found is not None and (best is None or found.step_s < best):
+                best = found.step_s
     return best
 
 
@@ -65,6 +78,47 @@ def test_search_agrees_with_brute_force(seed):
     assert agreed >= 12  # most instances have a feasible plan
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_looped_layouts_agree_with_brute_force_on_three_ranks_per_pipeline(seed):
+    """Looped layouts are searched rank by rank (both stages of a rank at once): with 6 ranks and up to 9
+    blocks, pipelines of 3 ranks run 6 stages."""
+    rng = random.Random(100 + seed)
+    checked = 0
+    for _ in range(6):
+        graph, profile, cluster, batch, factor = instance(rng, blocks=(6, 9), worlds=(6,))
+        for layout in layouts(graph, cluster, batch, Constraints()):
+            if layout.num_stages < 4 or layout.schedule not in ("Interleaved1F1B", "LoopedBFS"):
+                continue
+            model = CostModel(graph, profile, cluster, factor, layout)
+            want = brute_force_layout(model)
+            got = PartitionSearch(model, budget=10**7).run()
+            assert (got is None) == (want is None), (layout, got, want)
+            if got is not None:
+                assert got.step_s == pytest.approx(want, rel=1e-12, abs=0), layout
+                checked += 1
+    assert checked >= 2
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"])
+def test_schedules_only_asked_for_agree_with_brute_force(schedule):
+    """Zero-bubble schedules end with weight gradients, which send nothing back: the bounds count that."""
+    rng = random.Random(7)
+    agreed = 0
+    for _ in range(12):
+        graph, profile, cluster, batch, factor = instance(rng, worlds=(2, 4))
+        constraints = Constraints(schedule=schedule)
+        if not layouts(graph, cluster, batch, constraints):
+            continue
+        want = brute_force(graph, profile, cluster, batch, factor, constraints)
+        result = search(graph, profile, cluster, global_batch=batch, optimizer_factor=factor, constraints=constraints)
+        got = result.best.step_s if result.best else None
+        assert result.proven_optimal and (got is None) == (want is None), (got, want)
+        if got is not None:
+            assert got == pytest.approx(want, rel=1e-12, abs=0)
+            agreed += 1
+    assert agreed >= 3
+
+
 def test_layout_bounds_never_exceed_a_simulated_step():
     """A layout's bound lets the search skip it unsearched, so it must hold for every split of its blocks."""
     rng = random.Random(5)
@@ -73,11 +127,96 @@ def test_layout_bounds_never_exceed_a_simulated_step():
         graph, profile, cluster, batch, factor = instance(rng)
         for layout in layouts(graph, cluster, batch, Constraints()):
             model = CostModel(graph, profile, cluster, factor, layout)
+            bound = max(layout_bound(model), layout_bound(model, refined=True))
             n, s = graph.num_blocks, layout.num_stages
             for cuts in itertools.combinations(range(1, n), s - 1):
-                found = evaluate(model, list(zip((0,) + cuts, cuts + (n,))), [False] * s)
-                if found is not None:
-                    assert _layout_bound(model) <= found.step_s * (1 + 1e-12), (layout, cuts)
-                    checked += 1
+                for recompute in ([False] * s, [True] * s, [rng.random() < 0.5 for _ in range(s)]):
+                    found = evaluate(model, list(zip((0,) + cuts, cuts + (n,))), recompute)
+                    if found is not None:
+                        assert bound <= found.step_s * (1 + 1e-12), (layout, cuts)
+                        checked += 1
     assert checked > 100
 
+
+def random_stage_costs(rng, num_stages, same_rank_sends=False):
+    f = [rng.uniform(0, 3) for _ in range(num_stages)]
+    b = [rng.uniform(0, 5) for _ in range(num_stages)]
+    sends = [0.0 if same_rank_sends else rng.uniform(0, 1) for _ in range(num_stages)]
+    return StageCosts(f, b, sends, [0.0] + sends[:-1])  # a cut's transfer takes as long both ways
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gpipe_makespan_is_its_closed_form_and_bounds_looped_bfs(seed):
+    """GPipe: sum(f) + sum(b) + transfers + (M-1)(max f + max b), exactly; LoopedBFS never less."""
+    rng = random.Random(seed)
+    for _ in range(100):
+        p, m = rng.randint(1, 5), rng.randint(1, 9)
+        costs = random_stage_costs(rng, p)
+        total = sum(costs.forward_s) + sum(costs.backward_s) + 2 * sum(costs.send_activations_s[:-1])
+        formula = gpipe(total, m, max(costs.forward_s), max(costs.backward_s))
+        assert simulate(orders("GPipe", p, p, m), costs).makespan_s == pytest.approx(formula, rel=1e-12)
+        costs = random_stage_costs(rng, 2 * p, same_rank_sends=p == 1)
+        total = sum(costs.forward_s) + sum(costs.backward_s) + 2 * sum(costs.send_activations_s[:-1])
+        looped = simulate(orders("LoopedBFS", 2 * p, p, m), costs).makespan_s
+        assert looped >= gpipe(total, m, max(costs.forward_s), max(costs.backward_s)) * (1 - 1e-12)
+
+
+def demo_like_gpt():
+    """The demo's shape: a small GPT cut into 44 blocks (embedding, 4 layers of 10 blocks, norm, head tied to
+    the embedding), on 4 CPU ranks sharing 2 cores with partita's measured overheads and 32 MiB free each."""
+    d, seq, vocab, rate, f32 = 128, 64, 128, 50e9, 4
+    parts = ([(seq * d * 5, 2 * seq * d, 2 * d), (6 * seq * d * d, 3 * seq * d, 3 * d * d + 3 * d)]
+             + [(2 * seq * seq * d, seq * seq * 4, 0)] * 4
+             + [(2 * seq * d * d, seq * d, d * d + d), (seq * d * 5, 2 * seq * d, 2 * d),
+                (8 * seq * d * d, 4 * seq * d, 4 * d * d + 4 * d), (8 * seq * d * d, 4 * seq * d, 4 * d * d + d)])
+    sizes = [(seq * d * 2 / 7.8e9, seq * d * f32, ("tok", "pos"))]
+    params = {"tok": vocab * d * f32, "pos": seq * d * f32, "ln": 2 * d * f32}
+    for layer in range(4):
+        for i, (flops, acts, p) in enumerate(parts):
+            sizes.append((flops / rate, acts * f32, (f"l{layer}.{i}",) if p else ()))
+            if p:
+                params[f"l{layer}.{i}"] = p * f32
+    sizes += [(seq * d * 5 / rate, 2 * seq * d * f32, ("ln",)), (seq * d / rate, seq * d * f32, ()),
+              (2 * seq * d * vocab / rate, seq * vocab * f32, ("tok",))]
+    blocks = tuple(Block(i, f"b{i}", (i, i + 1), f"a{i}", f"z{i}", f"s{i}", 10, Fit.line(0, 1), Fit.line(0, 1),
+                         Fit.line(0, acts), names) for i, (_, acts, names) in enumerate(sizes))
+    graph = ModelGraph(blocks, params, tuple(Fit.line(0, seq * d * f32) for _ in sizes[1:]), Fit.line(0, 8))
+    profile = Profile("demo-like", tuple(BlockCost(Fit.line(4e-5, s), Fit.line(8e-5, 2 * s), Fit.line(0, acts))
+                                         for s, acts, _ in sizes))
+    overhead = 510 * 2**20
+    cpu = DeviceSpec("cpu", 6 * 2**30, {"float32": 104e9}, 7.8e9, 1.0, 15e-6, 330 * 2**20, 0.75e-3, 3.4e-3, 2.6e-3,
+                     Link(180e-6, 1e9), Link(180e-6, 1e9), 4, "test")
+    cluster = Cluster(cpu, 1, 4, p2p=Link(0.0, 1.08e9), allreduce=Link(5.8e-3, 4.5e8), allreduce_ranks=4,
+                      memory_bytes=overhead + 32 * 2**20, fixed_overhead_bytes=overhead,
+                      overheads=RuntimeOverheads(0.0, 9.0e-3, 1.6e-3, 0.0, 0.89), cores_per_node=2)
+    return graph, profile, cluster
+
+
+def uniform_model(num_blocks, world=16, layer_mb=50):
+    """Equal transformer-like layers (forward 1 ms per row); weights, gradients and Adam state of the whole
+    model take 4 (on 4 ranks) or 8 ranks' memory: every plan pipelines."""
+    blocks = tuple(Block(i, f"l{i}", (i, i + 1), f"a{i}", f"z{i}", "layer", 10, Fit.line(0, 1), Fit.line(0, 1),
+                         Fit.line(0, 16e6), (f"p{i}",)) for i in range(num_blocks))
+    graph = ModelGraph(blocks, {f"p{i}": layer_mb * 10**6 for i in range(num_blocks)},
+                       tuple(Fit.line(0, 2e6) for _ in range(num_blocks - 1)), Fit.line(0, 8))
+    profile = Profile("uniform", tuple(BlockCost(Fit.line(2e-4, 1e-3), Fit.line(4e-4, 2e-3), Fit.line(0, 16e6))
+                                       for _ in range(num_blocks)))
+    memory = 2**30 + 2 * num_blocks * layer_mb * 10**6 * 5 // min(world, 8)
+    device = DeviceSpec("gpu", memory, {"float32": 1e13}, 1e12, 0.7, 1e-5, 2**30, 1e-4, 1e-3,
+                        3e-4, Link(5e-6, 1.5e11), Link(1e-5, 2.5e10), 8, "test")
+    return graph, profile, Cluster(device, world // min(world, 8), min(world, 8))
+
+
+@pytest.mark.parametrize("case, world, schedule", [("demo", 4, None), ("uniform-12", 4, None),
+                                                   ("uniform-44", 16, "1F1B")])
+def test_representative_instances_are_searched_to_the_end(case, world, schedule):
+    """The demo's 44-block GPT on 4 ranks (which used to run out of budget), and equal layers that must be
+    pipelined, are proven optimal (bench/search_time.py times these and larger ones)."""
+    if case == "demo":
+        graph, profile, cluster = demo_like_gpt()
+    else:
+        graph, profile, cluster = uniform_model(int(case.split("-")[1]), world)
+    result = search(graph, profile, cluster, global_batch=8 * world, optimizer_factor=2.0,
+                    constraints=Constraints(schedule=schedule))
+    assert result.best is not None and result.proven_optimal, (result.nodes, result.layouts_searched)
+    assert result.lower_bound_s == result.best.step_s

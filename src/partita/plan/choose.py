@@ -10,18 +10,14 @@ from partita.errors import BatchError, PlanError
 from partita.graph import ModelGraph, Profile
 from partita.plan.cost import CostModel, Layout
 from partita.plan.explain import size
-from partita.plan.plan import Estimate, Plan, StagePlan, check_batch
+from partita.plan.plan import Estimate, Plan, StagePlan, check_batch, divisors
 from partita.plan.constraints import Constraints
-from partita.plan.search import (NODE_BUDGET, SEARCH_BUDGET, Candidate, SearchResult, _PartitionSearch,
-                                  evaluate, layouts, search)
+from partita.plan.search import (NODE_BUDGET, SEARCH_BUDGET, Candidate, PartitionSearch, SearchResult, evaluate,
+                                  layouts, search)
 from partita.schedule.catalog import FORWARDS_FIRST_SCHEDULES, SCHEDULES, stages_per_rank
 
 
 SIMPLER_WITHIN = 0.05  # plans this close to the fastest simulated step count as equally fast
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def choose_plan(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global_batch: int,
@@ -58,7 +54,7 @@ def _fewer_pipeline_ranks(graph, profile, cluster, global_batch, optimizer_facto
     if constraints.stages is not None or constraints.replicas is not None:
         return None
     world = cluster.world_size
-    for depth in _divisors(world):
+    for depth in divisors(world):
         if depth >= fastest.layout.pipeline_size:
             return None
         # a plan inside the window is all this asks for, not the best one: a quarter of the search budget
@@ -131,7 +127,7 @@ def _check_constraints(graph: ModelGraph, cluster: Cluster, global_batch: int, c
             raise PlanError(
                 f"{c.stages} stages do not fit {world} ranks: the world size must be a multiple of the ranks per "
                 f"pipeline ({c.stages} stages / {per_rank} per rank). Choose stages from "
-                f"{[d * per_rank for d in _divisors(world)]}.")
+                f"{[d * per_rank for d in divisors(world)]}.")
         if c.stages > graph.num_blocks:
             raise PlanError(f"{c.stages} stages need at least that many blocks; the model has {graph.num_blocks}. "
                             f"Use at most {graph.num_blocks} stages.")
@@ -139,7 +135,7 @@ def _check_constraints(graph: ModelGraph, cluster: Cluster, global_batch: int, c
             raise PlanError(f"stages={c.stages} x replicas={c.replicas} needs {c.stages // per_rank * c.replicas} "
                             f"ranks, this job has {world}")
     if c.replicas is not None and (c.replicas < 1 or world % c.replicas):
-        raise PlanError(f"{c.replicas} replicas do not divide the world size {world}; choose from {_divisors(world)}")
+        raise PlanError(f"{c.replicas} replicas do not divide the world size {world}; choose from {divisors(world)}")
     if c.micro_batches is not None:
         depth = (c.stages // per_rank) if c.stages else (world // c.replicas if c.replicas else None)
         if depth is not None:
@@ -163,13 +159,13 @@ def user_loss_problem(schedule: str) -> str:
 def _check_microbatch_split(graph: ModelGraph, world: int, per_rank: int, global_batch: int,
                             micro_batches: int) -> None:
     """The batch error when no number of replicas leaves rows that split into `micro_batches`."""
-    rows_of = {world // d: global_batch // (world // d) for d in _divisors(world)
+    rows_of = {world // d: global_batch // (world // d) for d in divisors(world)
                if d * per_rank <= graph.num_blocks and global_batch % (world // d) == 0}
     if not rows_of or any(rows % micro_batches == 0 for rows in rows_of.values()):
         return
     each = " or ".join(f"{rows} rows ({replicas} replica{'s' if replicas > 1 else ''})"
                        for replicas, rows in sorted(rows_of.items(), reverse=True))
-    valid = sorted(set().union(*(_divisors(rows) for rows in rows_of.values())))
+    valid = sorted(set().union(*(divisors(rows) for rows in rows_of.values())))
     raise BatchError(
         f"the global batch of {global_batch} rows ({world} ranks x {global_batch // world}) does not split into "
         f"{micro_batches} micro-batches whatever the layout: each replica gets {each}. Use micro_batches from "
@@ -180,7 +176,7 @@ def _data_parallel(graph, profile, cluster, global_batch, optimizer_factor) -> t
     """Step time of data parallelism alone (None if it does not fit) and its memory per rank."""
     layout = Layout("GPipe", 1, 1, cluster.world_size, 1, global_batch // cluster.world_size)
     model = CostModel(graph, profile, cluster, optimizer_factor, layout)
-    found = _PartitionSearch(model, float("inf"), False, 0).balanced()
+    found = PartitionSearch(model, recompute=False).balanced()
     cost = model.stage(0, 0, graph.num_blocks, False)
     needed = _unconstrained_memory(model)
     return (found.step_s if found else None), (cost.memory.total + cluster.overhead_bytes if cost else needed)
@@ -242,7 +238,7 @@ def _fitting_layout(graph, profile, cluster, global_batch, optimizer_factor, rec
                         key=lambda lay: (-lay.pipeline_size, lay.micro_batch_rows))
     for layout in candidates[:24]:
         model = CostModel(graph, profile, cluster, optimizer_factor, layout)
-        if _PartitionSearch(model, float("inf"), recompute, 0).balanced() is not None:
+        if PartitionSearch(model, recompute=recompute).balanced() is not None:
             return layout
     return None
 

@@ -54,17 +54,10 @@ class Memory:
     optimizer: int
     activations: int
     buffers: int
-    overhead: int
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.overhead
-
-    def __add__(self, other: "Memory") -> "Memory":
-        return Memory(*(a + b for a, b in zip(self.astuple(), other.astuple())))
-
-    def astuple(self) -> tuple[int, ...]:
-        return (self.params, self.grads, self.optimizer, self.activations, self.buffers, self.overhead)
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
 
 
 @dataclass(frozen=True)
@@ -75,7 +68,7 @@ class StageCost:
     bwd_s: float  # includes the recomputed forward
     send_fwd_s: float  # its outputs to the next stage's rank, per micro-batch
     send_bwd_s: float  # its input gradients to the previous stage's rank, per micro-batch
-    memory: Memory  # without the process overhead (a rank-level cost)
+    memory: Memory  # without the process's own memory (a rank-level cost)
     param_bytes: int
     allreduce_s: float  # summing its gradients over its replicas, after the pipeline
     optimizer_s: float  # the optimizer step on its parameters
@@ -102,6 +95,7 @@ class CostModel:
         self._writes = [b.writes_buffers for b in graph.blocks]
         self.ranks = _rank_layout(layout.schedule, layout.num_stages, layout.num_replicas)  # [stage][replica]
         self._stage = lru_cache(maxsize=None)(self._compute_stage)
+        self._floor = lru_cache(maxsize=None)(self._compute_floor)
         self.pipelined = not layout.data_parallel_only
         # bytes of weights + gradients + optimizer state per byte of parameters
         self.static_per_param_byte = 1 + (2 if self.pipelined else 1) + optimizer_factor
@@ -112,6 +106,8 @@ class CostModel:
         bubble = (layout.pipeline_size - 1) / (layout.micro_batches * per_rank + layout.pipeline_size - 1)
         self.compute_stretch = cluster.contention(1.0 - bubble)
         self.step_stretch = cluster.contention(1.0)  # every rank steps its optimizer at the same time
+        self.action_s = cluster.action_overhead_s if self.pipelined else 0.0  # partita's runtime per action
+        self.step_overhead_s = cluster.step_overhead_s(self.pipelined)  # per step, on every rank
 
     @cached_property
     def in_flight(self) -> tuple[int, ...]:
@@ -123,25 +119,18 @@ class CostModel:
     def param_bytes(self, start: int, stop: int) -> int:
         return self.graph.param_bytes_of(start, stop)
 
-    def static_bytes_lower_bound(self, start: int, stop: int, num_stages: int) -> float:
-        """No split of blocks [start, stop) over `num_stages` stages keeps the largest stage's weights, gradients
-        and optimizer state under this (every parameter lives in at least one stage)."""
-        return self.param_bytes(start, stop) * self.static_per_param_byte / num_stages
-
     @property
     def num_blocks(self) -> int:
         return self.graph.num_blocks
-
-    def fwd_until(self, stop: int) -> float:
-        return self._fwd[stop] * self.compute_stretch
-
-    def fwd_total(self) -> float:
-        return self._fwd[-1] * self.compute_stretch
 
     def work(self, start: int, stop: int) -> float:
         """Forward + backward compute seconds of blocks [start, stop) per micro-batch, without recomputation
         (a lower bound of what a stage of them costs)."""
         return (self._fwd[stop] - self._fwd[start] + self._bwd[stop] - self._bwd[start]) * self.compute_stretch
+
+    def boundary_bytes(self, cut: int) -> float:
+        """Bytes live at `cut` (after block cut-1), per micro-batch."""
+        return self._boundary[cut - 1] if 0 < cut < self.num_blocks else 0.0
 
     def boundary_s(self, stage: int, cut: int) -> float:
         """Seconds to move the tensors live at `cut` (after block cut-1) from `stage` to `stage + 1`."""
@@ -160,24 +149,43 @@ class CostModel:
         """The least memory blocks [start, stop) need as `stage`, feasible or not (for messages)."""
         return min(self._memory(stage, start, stop, rc).total for rc in (False, True))
 
-    def _memory(self, stage: int, start: int, stop: int, recompute: bool) -> Memory:
+    def memory_floor(self, stage: int, start: int, stop: int) -> int:
+        """A lower bound of the memory of blocks [start, stop) as `stage` that only grows with `stop` (the
+        buffers for the stage's outputs are left out: a longer stage may end at a smaller boundary)."""
+        return self._floor(stage, start, stop)
+
+    def _compute_floor(self, stage: int, start: int, stop: int) -> int:
+        return min(self._memory(stage, start, stop, rc, outputs=False).total for rc in (False, True))
+
+    def activation_bytes(self, start: int, stop: int) -> float:
+        """Activations of blocks [start, stop) for one micro-batch: the least any stage of them keeps."""
+        return self._act[stop] - self._act[start]
+
+    def _memory(self, stage: int, start: int, stop: int, recompute: bool, outputs: bool = True) -> Memory:
         params = self.param_bytes(start, stop)
         acts = self._act[stop] - self._act[start]
         in_bytes = self._boundary[start - 1] if start > 0 else 0.0
-        out_bytes = self._boundary[stop - 1] if stop < self.num_blocks else 0.0
+        out_bytes = self._boundary[stop - 1] if stop < self.num_blocks and outputs else 0.0
         held = self.in_flight[stage]
         grads = params * (2 if self.pipelined else 1)  # pipelines hold fresh gradients beside .grad until summed
         buffers = ((self.layout.micro_batches * (in_bytes + out_bytes) if self.pipelined else 0)
                    + min(params, GRAD_BUCKET_BYTES))
         kept = (in_bytes * held + acts) if recompute else acts * held
-        return Memory(int(params), int(grads), int(params * self.optimizer_factor), int(kept), int(buffers), 0)
+        return Memory(int(params), int(grads), int(params * self.optimizer_factor), int(kept), int(buffers))
+
+    def forward_s(self, start: int, stop: int) -> float:
+        """Seconds of one micro-batch's forward through blocks [start, stop) as one stage."""
+        return (self._fwd[stop] - self._fwd[start]) * self.compute_stretch + self.action_s
+
+    def backward_s(self, start: int, stop: int, param_bytes: float) -> float:
+        """Seconds of one micro-batch's backward through blocks [start, stop) as one stage whose parameters
+        take `param_bytes`, without recomputation."""
+        return (self._bwd[stop] - self._bwd[start] + self.gradient_traffic_s(param_bytes)) * self.compute_stretch \
+            + self.action_s
 
     def _compute_stage(self, stage: int, start: int, stop: int, recompute: bool | None) -> StageCost | None:
         params = self.param_bytes(start, stop)
-        runtime = self.cluster.action_overhead_s if self.pipelined else 0.0
-        stretch = self.compute_stretch
-        fwd = (self._fwd[stop] - self._fwd[start]) * stretch + runtime
-        bwd = (self._bwd[stop] - self._bwd[start] + self._gradient_traffic_s(params)) * stretch + runtime
+        fwd, bwd = self.forward_s(start, stop), self.backward_s(start, stop, params)
         writes = any(self._writes[start:stop])
         options = [False, True] if recompute is None else [recompute]
         for rc in options:
@@ -189,16 +197,26 @@ class CostModel:
                     blocks=(start, stop), recompute=rc, fwd_s=fwd, bwd_s=bwd + (fwd if rc else 0.0),
                     send_fwd_s=self.boundary_s(stage, stop), send_bwd_s=self.boundary_s(stage - 1, start) if stage else 0.0,
                     memory=memory, param_bytes=int(params), allreduce_s=self.allreduce_s(stage, int(params)),
-                    optimizer_s=self.optimizer_s(int(params)), apply_gradients_s=self._apply_gradients_s(params))
+                    optimizer_s=self.optimizer_s(int(params)), apply_gradients_s=self.apply_gradients_s(params))
         return None
 
-    def _gradient_traffic_s(self, param_bytes: int) -> float:
+    def tail_s(self, cost: StageCost) -> float:
+        """What a stage adds to its rank's work after the pipeline drains: the all-reduce of its gradients (with
+        DDP only the part that outlasts the backward), putting them into .grad, and the optimizer step."""
+        if self.layout.data_parallel_only:
+            # DDP reduces buckets while the backward runs: only what outlasts the backward shows, and that
+            # costs more where the two compete for the same cores (the measured interference)
+            exposed = max(cost.allreduce_s - cost.bwd_s, cost.allreduce_s * min(1.0, 25e6 / max(cost.param_bytes, 1)))
+            return exposed * (1.0 + self.cluster.allreduce_interference) + cost.optimizer_s
+        return cost.allreduce_s + cost.apply_gradients_s + cost.optimizer_s
+
+    def gradient_traffic_s(self, param_bytes: float) -> float:
         """Writing a backward's parameter gradients: a pipeline adds each micro-batch's into .grad (read both,
         write one); DDP copies them into its buckets (read one, write one). Block profiles miss it: they take
         gradients with autograd.grad, which accumulates nothing."""
         return param_bytes * (3 if self.pipelined else 2) / self.stream_bps
 
-    def _apply_gradients_s(self, param_bytes: float) -> float:
+    def apply_gradients_s(self, param_bytes: float) -> float:
         """After a pipelined step: with replicas, the gradients are copied into all-reduce buckets (read one, write
         one); then scaled (read one, write one). DDP does none of this outside its backward."""
         if not self.pipelined:

@@ -10,7 +10,7 @@ Stage `s`, replica `j` runs on rank `stages[s].ranks[j]`. Schedules that put sev
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from partita.errors import BatchError, PlanError
@@ -207,9 +207,6 @@ class Plan:
             raise PlanError(f"no plan file at {p}")
         return cls.from_json(p.read_text())
 
-    def with_ranks(self, layout: list[list[int]]) -> "Plan":
-        return replace(self, stages=tuple(replace(s, ranks=tuple(r)) for s, r in zip(self.stages, layout)))
-
     def explain(self) -> str:
         from partita.plan.explain import explain
 
@@ -224,7 +221,12 @@ def upgrade(data: dict) -> dict:
     return data
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The positive divisors of n, ascending.
+
+    >>> divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -236,7 +238,7 @@ def check_batch(rows_per_replica: int, micro_batches: int, num_replicas: int, wo
         raise BatchError(
             f"the global batch of {rows_per_replica * num_replicas} rows ({world_size} ranks x {local}) does "
             f"not split into {micro_batches} micro-batches x {num_replicas} replicas: each replica gets "
-            f"{rows_per_replica} rows. Use micro_batches from {_divisors(rows_per_replica)}, or a local batch "
+            f"{rows_per_replica} rows. Use micro_batches from {divisors(rows_per_replica)}, or a local batch "
             f"that makes {depth} x local batch a multiple of {micro_batches}."
         )
 

@@ -9,36 +9,40 @@ memory.
 
 Exact within that space, by branch and bound. Layouts are visited in order of a lower bound on their step
 time; in a layout, stage boundaries are chosen stage by stage, depth first, and a branch is cut as soon as a
-lower bound on every completion's simulated step reaches the best step found. The bounds hold for any
-schedule in which a rank runs one action at a time (see `_Bounds`), so cutting never loses the optimum. A
-node budget keeps the search to seconds on huge instances; when it runs out the result says so, with the gap
+lower bound on every completion's simulated step reaches the best step found (`plan.bounds` says why the
+bounds hold: cutting never loses the optimum). Two plans closer than PRUNE_TOLERANCE count as equally fast,
+so that float rounding between a bound and the simulator cannot keep the search among equal plans. A node
+budget keeps the search to seconds on huge instances; when it runs out the result says so, with the gap
 between the best plan and the lower bound.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from partita.cluster import Cluster
-from partita.errors import PlanError
 from partita.graph import ModelGraph, Profile
+from partita.plan.bounds import Remainder, gpipe, gradients_return, layout_bound, water_level
 from partita.plan.constraints import Constraints
 from partita.plan.cost import CostModel, Layout, StageCost
-from partita.schedule.catalog import stages_per_rank
 from partita.plan.explain import size
 from partita.plan.partition import balance
+from partita.plan.plan import divisors
 from partita.schedule import check_sizes, orders
+from partita.schedule.catalog import stages_per_rank
 from partita.sim import StageCosts, Trace, simulate
 
 SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
-NODE_BUDGET = 4_000  # per layout: small instances finish far below it; see SearchResult.proven_optimal
-# for the whole search: layouts are searched best bound first, so when it runs out the layouts left are the
-# least promising ones (and their bounds go into the reported gap); about a second of Python at most
-SEARCH_BUDGET = 12_000
-# Looped layouts have only weak bounds (no closed form is known for them), so a deep search there rarely
-# pays off; they get a quarter of the budget.
-LOOPED_SHARE = 4
+# Nodes (a stage, or a looped layout's pair of stages, tried): per layout, so that one hard layout leaves
+# budget for the others; and for the whole search: layouts are searched best bound first, so when it runs out
+# the layouts left are the least promising ones (and their bounds go into the reported gap). A node costs
+# 20-100 us of Python; bench/search_time.py shows what instances need.
+NODE_BUDGET = 10_000
+SEARCH_BUDGET = 25_000
+PRUNE_TOLERANCE = 1e-9  # relative: a plan this much faster than the best found does not count as faster
 
 
 @dataclass(frozen=True)
@@ -66,10 +70,6 @@ class SearchResult:
     rejected: list[tuple[Layout, str]] = field(default_factory=list)  # layouts with no feasible partition, why
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def layouts(graph: ModelGraph, cluster: Cluster, global_batch: int, constraints: Constraints) -> list[Layout]:
     """Every layout of the search space that the constraints allow."""
     world = cluster.world_size
@@ -78,7 +78,7 @@ def layouts(graph: ModelGraph, cluster: Cluster, global_batch: int, constraints:
     out = []
     for schedule in schedules:
         per_rank = stages_per_rank(schedule)
-        for depth in _divisors(world):
+        for depth in divisors(world):
             num_stages = depth * per_rank
             replicas = world // depth
             if num_stages > graph.num_blocks or global_batch % replicas:
@@ -90,7 +90,7 @@ def layouts(graph: ModelGraph, cluster: Cluster, global_batch: int, constraints:
             if num_stages == 1 and schedule != "GPipe":
                 continue  # one stage: no pipeline, every schedule is the same
             rows = global_batch // replicas
-            counts = [constraints.micro_batches] if constraints.micro_batches else _divisors(rows)
+            counts = [constraints.micro_batches] if constraints.micro_batches else divisors(rows)
             for m in counts:
                 if rows % m:
                     continue
@@ -110,78 +110,64 @@ def search(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global_batc
     candidates = layouts(graph, cluster, global_batch, constraints)
     result = SearchResult(None, True, len(candidates), 0, 0, 0, math.inf)
     models = [CostModel(graph, profile, cluster, optimizer_factor, lay) for lay in candidates]
-    bounded = sorted(((_layout_bound(m), i) for i, m in enumerate(models)), key=lambda x: x[0])
-    # a good plan early makes the exact search cut most branches: each layout's work-balanced boundaries
-    best_s = faster_than_s
+    bounded = sorted(((layout_bound(m), i) for i, m in enumerate(models)), key=lambda x: x[0])
     for bound, i in bounded:
-        if bound >= best_s:
-            break
-        if _too_big(models[i]):
-            continue
-        quick = _PartitionSearch(models[i], best_s, constraints.recompute, 0).balanced()
-        result.simulations += 1
-        if quick is not None and quick.step_s < best_s:
-            best_s, result.best = quick.step_s, quick
+        if bound == math.inf:
+            result.rejected.append((models[i].layout, _too_big(models[i])))
+    best_s = _first_plans(result, models, bounded, constraints.recompute, faster_than_s)
     for bound, i in bounded:
-        if bound >= best_s:
+        if bound >= best_s * (1 - PRUNE_TOLERANCE):
             result.lower_bound_s = min(result.lower_bound_s, bound)
             continue
         model = models[i]
-        too_big = _too_big(model)
-        if too_big:
-            result.rejected.append((model.layout, too_big))
+        refined = layout_bound(model, refined=True)
+        if refined >= best_s * (1 - PRUNE_TOLERANCE):
+            result.lower_bound_s = min(result.lower_bound_s, refined)
+            if refined == math.inf:
+                result.rejected.append((model.layout, _too_big(model)))
             continue
-        budget = node_budget // LOOPED_SHARE if stages_per_rank(model.layout.schedule) > 1 else node_budget
-        budget = min(budget, search_budget - result.nodes)
+        budget = min(node_budget, search_budget - result.nodes)
         if budget <= 0:
             result.proven_optimal = False
             result.lower_bound_s = min(result.lower_bound_s, bound)
             continue
-        search = _PartitionSearch(model, best_s, constraints.recompute, budget)
-        found = search.run()
+        partitions = PartitionSearch(model, best_s, constraints.recompute, budget)
+        found = partitions.run()
         result.layouts_searched += 1
-        result.nodes += search.nodes
-        result.simulations += search.simulations
-        if not search.complete:
+        result.nodes += partitions.nodes
+        result.simulations += partitions.simulations
+        if not partitions.complete:
             result.proven_optimal = False
             result.lower_bound_s = min(result.lower_bound_s, bound)
         if found is not None and found.step_s < best_s:
             best_s, result.best = found.step_s, found
-        elif found is None and search.complete and search.infeasible_reason:
-            result.rejected.append((model.layout, search.infeasible_reason))
+        elif found is None and partitions.complete and partitions.infeasible_reason:
+            result.rejected.append((model.layout, partitions.infeasible_reason))
     if result.best is not None:
         result.lower_bound_s = min(result.lower_bound_s, result.best.step_s)
     return result
 
 
+def _first_plans(result: SearchResult, models: list[CostModel], bounded: list[tuple[float, int]],
+                 recompute: bool | None, best_s: float) -> float:
+    """A good plan early makes the exact search cut most branches: each layout's work-balanced boundaries, in
+    order of the layouts' bounds while a bound is below the best step so far. Returns that step."""
+    for bound, i in bounded:
+        if bound >= best_s:
+            break
+        quick = PartitionSearch(models[i], best_s, recompute).balanced()
+        result.simulations += 1
+        if quick is not None and quick.step_s < best_s:
+            best_s, result.best = quick.step_s, quick
+    return best_s
+
+
 def _too_big(model: CostModel) -> str:
-    """Why no partition of this layout can fit (empty if one might): the average rank's weights, gradients and
-    optimizer state alone exceed its memory."""
-    need = model.static_bytes_lower_bound(0, model.num_blocks, model.layout.pipeline_size)
-    if need <= model.capacity:
-        return ""
-    return (f"weights, gradients and optimizer state alone need at least {size(need)} per rank, "
-            f"{size(model.capacity)} available after the process's own {size(model.cluster.overhead_bytes)}")
-
-
-def _layout_bound(model: CostModel) -> float:
-    """No partition of this layout steps faster: some rank does at least the average work, and one
-    micro-batch crosses every block forward and back; some rank steps at least the average optimizer work.
-
-    With one stage per rank (GPipe, 1F1B), stage s cannot start before micro-batch 0 has passed the stages
-    before it, nor finish before the last gradient has gone back through them: the pipeline takes at least
-    prefix_s + M w_s for every stage s (prefix_s: the work of the stages before it, w_s its own). The least
-    that maximum can be over all splits of the work W, whole blocks or not, is when every term is equal:
-    w_s = T/M ((M-1)/M)^s, which sums to W for T = W / (1 - ((M-1)/M)^P). It is never below the bounds above
-    (and checked against the simulator on random stages)."""
-    lay = model.layout
-    work = model.work(0, model.num_blocks)
-    params = model.graph.param_bytes_of(0, model.num_blocks)
-    m, p = lay.micro_batches, lay.pipeline_size
-    pipeline = max(m * work / p, work)
-    if stages_per_rank(lay.schedule) == 1 and m > 1:
-        pipeline = max(pipeline, work / (1.0 - ((m - 1) / m) ** p))
-    return pipeline + model.optimizer_s(params) / p
+    """Why no partition of this layout fits memory, when even the least the model needs does not."""
+    need = Remainder(model).memory(0) / model.layout.pipeline_size
+    return (f"weights, gradients, optimizer state and one micro-batch's activations alone need at least "
+            f"{size(need)} per rank, {size(model.capacity)} available after the process's own "
+            f"{size(model.cluster.overhead_bytes)}")
 
 
 @dataclass(frozen=True)
@@ -194,14 +180,18 @@ class _Path:
     max_fwd: float = 0.0
     max_bwd: float = 0.0
     rank_work: tuple[float, ...] = ()  # per pipeline position: forward + backward per micro-batch
-    rank_start: tuple[tuple[float, float] | None, ...] = ()  # per position: prefixes at its first stage
+    rank_start: tuple[float | None, ...] = ()  # per position: both prefixes at its first stage
+    fwd_at: tuple[float, ...] = ()  # per stage chosen: the forward prefix where it starts
+    bwd_at: tuple[float, ...] = ()  # per stage chosen: the backward prefix where it starts
     rank_memory: tuple[int, ...] = ()
     tails: tuple[float, ...] = ()  # per position: all-reduce + optimizer
     bound: float = 0.0  # a lower bound on the pipeline makespan of every completion
+    back: float = 1.0  # 1: after a stage's last action its gradient goes back to stage 0 (0: zero-bubble W last)
 
     def extend(self, cost: StageCost, position: int, micro_batches: int, tail: float) -> "_Path":
         p = position
-        start = self.rank_start[p] or (self.fwd_prefix, self.bwd_prefix)
+        prefix = self.fwd_prefix + self.back * self.bwd_prefix
+        start = prefix if self.rank_start[p] is None else self.rank_start[p]
         rank_work = _put(self.rank_work, p, self.rank_work[p] + cost.work_s)
         return _Path(
             stages=self.stages + (cost,),
@@ -209,29 +199,52 @@ class _Path:
             bwd_prefix=self.bwd_prefix + cost.bwd_s + cost.send_fwd_s,
             max_fwd=max(self.max_fwd, cost.fwd_s), max_bwd=max(self.max_bwd, cost.bwd_s),
             rank_work=rank_work, rank_start=_put(self.rank_start, p, start),
+            fwd_at=self.fwd_at + (self.fwd_prefix,), bwd_at=self.bwd_at + (self.bwd_prefix,),
             rank_memory=_put(self.rank_memory, p, self.rank_memory[p] + cost.memory.total),
             tails=_put(self.tails, p, self.tails[p] + tail),
             # a rank runs every micro-batch of its stages one action at a time, after the first micro-batch
-            # reached its first stage, before the last one's gradient goes from there back to stage 0
-            bound=max(self.bound, start[0] + micro_batches * rank_work[p] + start[1]),
+            # reached its first stage, before the last one's gradient goes from there back to stage 0; so does
+            # a stage, from its own place in the pipeline
+            bound=max(self.bound, start + micro_batches * rank_work[p], prefix + micro_batches * cost.work_s),
+            back=self.back,
         )
+
+
+def _first(lowest: int, highest: int, holds) -> int:
+    """The least i in [lowest, highest] for which `holds` (false below it, true from it on), else highest + 1."""
+    lo, hi = lowest, highest + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _put(values: tuple, index: int, value) -> tuple:
     return values[:index] + (value,) + values[index + 1:]
 
 
-class _PartitionSearch:
-    """Branch and bound over stage boundaries for one layout."""
+class PartitionSearch:
+    """Branch and bound over the stage boundaries (and recomputation) of one layout."""
 
-    def __init__(self, model: CostModel, best_s: float, recompute: bool | None, budget: int):
+    def __init__(self, model: CostModel, best_s: float = math.inf, recompute: bool | None = None, budget: int = 0):
         self.model, self.best_s, self.recompute, self.budget = model, best_s, recompute, budget
         lay = model.layout
         self.orders = orders(lay.schedule, lay.num_stages, lay.pipeline_size, lay.micro_batches)
         self.position = [model.ranks[s][0] % lay.pipeline_size for s in range(lay.num_stages)]
-        self.warmup = _warmups(self.orders, lay.num_stages)
-        self.fwd_total = model.fwd_total()
-        self.capacity = model.cluster.memory_per_rank - model.cluster.overhead_bytes
+        # per stage: the positions of the ranks of the stages after it
+        self.later = [sorted(set(self.position[s + 1:])) for s in range(lay.num_stages)]
+        self.looped = stages_per_rank(lay.schedule) > 1
+        self.back = 1.0 if gradients_return(lay.schedule) else 0.0
+        # rank by rank where rank r runs stages r and r + P (not V-shaped) and every gradient goes back
+        self.pairs = self.looped and self.back and all(q == s % lay.pipeline_size for s, q in enumerate(self.position))
+        self.warmups = [_Warmup.of(order) for order in self.orders]
+        self.last_stage = {p: s for s, p in enumerate(self.position)}  # per position: its last stage
+        self.rest = Remainder(model)
+        self.capacity = model.capacity
+        self._work_prefix = [model.work(0, i) for i in range(model.num_blocks + 1)]
         whole = model.stage(0, 0, model.num_blocks, False)
         # recomputation only helps when memory is short: if two stages as big as the whole model fit on one
         # rank, no stage ever needs it (so the search need not try it)
@@ -242,26 +255,40 @@ class _PartitionSearch:
         self.infeasible_reason = ""
         self.smallest_memory: int | None = None
 
+    @property
+    def cutoff(self) -> float:
+        """A completion is worth searching only if its lower bound is below this."""
+        return self.best_s * (1 - PRUNE_TOLERANCE)
+
     def _root(self) -> _Path:
         p = self.model.layout.pipeline_size
-        step = self.model.cluster.step_overhead_s(self.model.pipelined)
-        return _Path(rank_work=(0.0,) * p, rank_start=(None,) * p, rank_memory=(0,) * p, tails=(step,) * p)
+        return _Path(rank_work=(0.0,) * p, rank_start=(None,) * p, rank_memory=(0,) * p,
+                     tails=(self.model.step_overhead_s,) * p, back=self.back)
 
     def balanced(self) -> Candidate | None:
         """The plan with boundaries that balance forward + backward work (no branching), if it fits."""
-        model, lay = self.model, self.model.layout
-        ranges = balance([model.work(i, i + 1) for i in range(model.num_blocks)], lay.num_stages)
+        model = self.model
+        ranges = balance([model.work(i, i + 1) for i in range(model.num_blocks)], model.layout.num_stages)
+        return self.simulate(ranges, [self.recompute] * len(ranges))
+
+    def simulate(self, ranges: list[tuple[int, int]], recompute: list[bool | None]) -> Candidate | None:
+        """The plan of these stage boundaries and recomputation (None: the cheapest that fits), simulated;
+        None if it does not fit memory (or is not faster than `best_s`)."""
         path = self._root()
-        for s, (a, b) in enumerate(ranges):
-            cost = model.stage(s, a, b, self.recompute)
-            if cost is None or path.rank_memory[self.position[s]] + cost.memory.total > self.capacity:
+        for stage, ((start, stop), rc) in enumerate(zip(ranges, recompute)):
+            cost = self.model.stage(stage, start, stop, rc)
+            position = self.position[stage]
+            if cost is None or path.rank_memory[position] + cost.memory.total > self.capacity:
                 return None
-            path = path.extend(cost, self.position[s], lay.micro_batches, self._tail(cost))
+            path = path.extend(cost, position, self.model.layout.micro_batches, self.model.tail_s(cost))
         self._evaluate(path)
         return self.best
 
     def run(self) -> Candidate | None:
-        self._descend(0, 0, self._root())
+        if self.pairs:
+            self._search_pairs()
+        else:
+            self._descend(0, 0, self._root())
         if self.best is None and not self.infeasible_reason:
             cluster = self.model.cluster
             need = size(self.smallest_memory) if self.smallest_memory else "more than the model"
@@ -269,14 +296,6 @@ class _PartitionSearch:
                 f"no stage boundaries fit: the smallest stage that did not fit needs {need} besides the "
                 f"{size(cluster.overhead_bytes)} the process itself uses, {size(cluster.memory_per_rank)} per rank")
         return self.best
-
-    def _tail(self, cost: StageCost) -> float:
-        if self.model.layout.data_parallel_only:
-            # DDP reduces buckets while the backward runs: only what outlasts the backward shows, and that
-            # costs more where the two compete for the same cores (the measured interference)
-            exposed = max(cost.allreduce_s - cost.bwd_s, cost.allreduce_s * min(1.0, 25e6 / max(cost.param_bytes, 1)))
-            return exposed * (1.0 + self.model.cluster.allreduce_interference) + cost.optimizer_s
-        return cost.allreduce_s + cost.apply_gradients_s + cost.optimizer_s
 
     def _descend(self, stage: int, start: int, path: _Path) -> None:
         if stage == self.model.layout.num_stages:
@@ -288,7 +307,9 @@ class _PartitionSearch:
                 if self.nodes > self.budget:
                     self.complete = False
                     return
-                self._try(stage, stop, path, cost)
+                child = self._child(stage, stop, path, cost)
+                if child is not None:
+                    self._descend(stage + 1, stop, child)
                 if not self.complete:
                     return
 
@@ -296,7 +317,7 @@ class _PartitionSearch:
         """The ways to run a stage worth trying. With one stage per rank, the cheapest that fits is best;
         when stages share a rank, recomputing one may make room for the other, so both are tried."""
         model = self.model
-        if self.recompute is not None or stages_per_rank(model.layout.schedule) == 1 or not self.memory_is_short:
+        if self.recompute is not None or not self.looped or not self.memory_is_short:
             cost = model.stage(stage, start, stop, self.recompute)
             if cost is None:
                 self._note_memory(stage, start, stop)
@@ -307,76 +328,399 @@ class _PartitionSearch:
             self._note_memory(stage, start, stop)
         return options
 
-    def _try(self, stage: int, stop: int, path: _Path, cost: StageCost) -> None:
-        model, lay = self.model, self.model.layout
-        n, m = model.num_blocks, lay.micro_batches
-        left = lay.num_stages - stage
+    def _child(self, stage: int, stop: int, path: _Path, cost: StageCost) -> _Path | None:
+        """The path with `cost` as the next stage, if it fits memory and its bound is below the cutoff."""
+        lay = self.model.layout
         position = self.position[stage]
         if path.rank_memory[position] + cost.memory.total > self.capacity:
-            return  # two stages on one rank (looped schedules) must fit together
-        child = path.extend(cost, position, m, self._tail(cost))
-        bound = max(child.bound, self._schedule_bound(stage, stop, path, cost))
-        if left > 1:
-            # the rest: some later stage takes at least its share of the remaining work
-            bound = max(bound, child.fwd_prefix + m * model.work(stop, n) / (left - 1) + child.bwd_prefix)
-        if bound + max(child.tails) >= self.best_s:
-            return
-        self._descend(stage + 1, stop, _replace_bound(child, bound))
+            return None  # two stages on one rank (looped schedules) must fit together
+        child = path.extend(cost, position, lay.micro_batches, self.model.tail_s(cost))
+        left = lay.num_stages - stage - 1
+        if left and not self._rest_fits(stage, stop, child):
+            return None
+        makespan = max(child.bound, self._schedule_bound(stage, stop, child, cost),
+                       self._rest_bound(stage, stop, child))
+        if makespan + self._tail_bound(stage, stop, child) >= self.cutoff:
+            return None
+        return replace(child, bound=makespan)
+
+    def _rest_fits(self, stage: int, stop: int, child: _Path) -> bool:
+        """Whether the blocks after `stop` might fit the room left on the ranks of the stages after `stage`:
+        all of them together, and stage by stage (each within its rank's room, as if alone there)."""
+        capacity, memory = self.capacity, child.rank_memory
+        if self.rest.memory(stop) > sum(capacity - memory[p] for p in self.later[stage]):
+            return False
+        return self.rest.fits(stop, [capacity - memory[p] for p in self.position[stage + 1:]])
 
     def _stops(self, stage: int, start: int, path: _Path):
         """Candidate ends of this stage, from the balanced one outwards. Each direction stops where a bound
-        that only grows in that direction reaches the best step: the stage's own work going up, the share
-        of the work left for the later stages going down."""
+        that only grows in that direction reaches the cutoff: the stage's own work (and memory) going up, the
+        work (and memory) left for the later stages going down."""
         model, lay = self.model, self.model.layout
         n, m, left = model.num_blocks, lay.micro_batches, lay.num_stages - stage
         if left == 1:
             yield n
             return
         lowest, highest = start + 1, n - left + 1
-        target = model.work(start, n) / left
-        balanced = min(range(lowest, highest + 1), key=lambda b: (abs(model.work(start, b) - target), b))
-        prefixes = path.fwd_prefix + path.bwd_prefix
+        prefix = self._work_prefix
+        target = prefix[start] + (prefix[n] - prefix[start]) / left
+        balanced = min(max(bisect.bisect_left(prefix, target, lowest, highest), lowest), highest)
+        if balanced > lowest and target - prefix[balanced - 1] <= prefix[balanced] - target:
+            balanced -= 1
+        prefixes = path.fwd_prefix + path.back * path.bwd_prefix
+        limit = self.cutoff - max(path.tails)
+        room = self.capacity - path.rank_memory[self.position[stage]]
+        later_room = sum(self.capacity - path.rank_memory[p] for p in self.later[stage])
         up, down = balanced, balanced - 1
         while up <= highest or down >= lowest:
             if up <= highest:
-                # a longer stage only takes more time, and more memory: past one that cannot fit, none can
-                if prefixes + m * model.work(start, up) >= self.best_s or model.stage(stage, start, up) is None:
+                # a longer stage only takes more time, and more memory
+                work = model.forward_s(start, up) + model.backward_s(start, up, model.param_bytes(start, up))
+                if prefixes + m * work >= limit:
+                    up = highest + 1
+                elif model.memory_floor(stage, start, up) > room:
+                    self._note_memory(stage, start, up)
                     up = highest + 1
                 else:
                     yield up
                     up += 1
             if down >= lowest:
                 # a shorter stage leaves more work, and more weights, to the later stages
-                if (prefixes + m * model.work(down, n) / (left - 1) >= self.best_s
-                        or model.static_bytes_lower_bound(down, n, left - 1) > self.capacity):
+                if prefixes + self._chain(down, left - 1) >= limit or self.rest.memory(down) > later_room:
                     down = lowest - 1
                 else:
                     yield down
                     down -= 1
 
-    def _schedule_bound(self, stage: int, stop: int, path: _Path, cost: StageCost) -> float:
-        """Tighter bounds of the schedules whose structure is known (both checked against the simulator on
-        random instances: never above it, median 1-4 % below).
-
-        GPipe: its makespan without transfers is sum(f) + (M-1) max(f) + sum(b) + (M-1) max(b), and
-        transfers only add. 1F1B: a stage's first backward waits for the first micro-batch's round trip
-        through all later stages, while it runs only its warm-up forwards."""
-        model, lay = self.model, self.model.layout
+    def _schedule_bound(self, stage: int, stop: int, child: _Path, cost: StageCost) -> float:
+        """Bounds from the schedule's orders (see plan.bounds): GPipe's makespan (exact once every stage is
+        chosen), which LoopedBFS's is at least; and once a rank's stages are all chosen, its warm-up."""
+        lay, rest = self.model.layout, self.rest
         m, left = lay.micro_batches, lay.num_stages - stage - 1
-        rem_work = model.work(stop, model.num_blocks)
-        if lay.schedule == "GPipe":
-            rem_fwd = self.fwd_total - model.fwd_until(stop)
-            rem_bwd = rem_work - rem_fwd
-            sum_f = sum(c.fwd_s for c in path.stages) + cost.fwd_s + rem_fwd
-            sum_b = sum(c.bwd_s for c in path.stages) + cost.bwd_s + rem_bwd
-            max_f = max(path.max_fwd, cost.fwd_s, rem_fwd / left if left else 0.0)
-            max_b = max(path.max_bwd, cost.bwd_s, rem_bwd / left if left else 0.0)
-            return sum_f + (m - 1) * max_f + sum_b + (m - 1) * max_b
-        if lay.schedule == "1F1B":
-            w = self.warmup[stage]
-            f, b = cost.fwd_s, cost.bwd_s
-            return path.fwd_prefix + f + max((w - 1) * f, rem_work) + m * b + (m - w) * f + path.bwd_prefix
-        return 0.0
+        bound = 0.0
+        if lay.schedule in ("GPipe", "LoopedBFS"):
+            if not left:
+                bound = gpipe(child.fwd_prefix + child.bwd_prefix, m, child.max_fwd, child.max_bwd)
+            else:
+                total = child.fwd_prefix + child.bwd_prefix + rest.work(stop, left) + 2 * rest.sends(stop, left)
+                bound = gpipe(total, m, max(child.max_fwd, rest.max_fwd(stop, left)),
+                              max(child.max_bwd, rest.max_bwd(stop, left)))
+        position = self.position[stage]
+        if stage == self.last_stage[position] and self.back:
+            bound = max(bound, self._warmup_bound(position, stop, child))
+        return bound
+
+    def _warmup_bound(self, position: int, stop: int, child: _Path) -> float:
+        """A rank's first backward (of stage k) waits both for its warm-up forwards and for micro-batch 0's
+        round trip from stage k through the later stages; all its other actions come after it, and after the
+        last one the gradient still goes back to stage 0. (For 1F1B: warm-up w, the first backward waits for
+        max((w - 1) f, round trip) after the first forward.) Not for zero-bubble schedules, whose round trip
+        needs only the input-gradient half of each backward."""
+        lay, rest, stages = self.model.layout, self.rest, child.stages
+        left = lay.num_stages - len(stages)
+        warmup = self.warmups[position]
+        warm = sum(count * stages[s].fwd_s for s, count in warmup.forwards)
+        k = warmup.first_backward
+        # from the end of F(k, 0) to the start of B(k, 0): the chosen stages after k, then the others
+        round_trip = (child.fwd_prefix - child.fwd_at[k] - stages[k].fwd_s
+                      + child.bwd_prefix - child.bwd_at[k] - stages[k].bwd_s)
+        if left:
+            round_trip += rest.work(stop, left) + 2 * rest.sends(stop, left)
+        first = min(s for s, p in enumerate(self.position) if p == position)
+        start = max(child.fwd_at[first] + warm, child.fwd_at[k] + stages[k].fwd_s + round_trip)
+        return start + lay.micro_batches * child.rank_work[position] - warm + child.bwd_at[warmup.last]
+
+    def _rest_bound(self, stage: int, stop: int, child: _Path) -> float:
+        """What the stages after `stage` add to the per-stage and per-rank bounds, whatever their split."""
+        lay, rest = self.model.layout, self.rest
+        m, left = lay.micro_batches, lay.num_stages - stage - 1
+        if not left:
+            return 0.0
+        prefix = child.fwd_prefix + child.back * child.bwd_prefix
+        bound = prefix + self._chain(stop, left)
+        if self.looped:
+            floors = [prefix if child.rank_start[p] is None else child.rank_start[p] + m * child.rank_work[p]
+                      for p in self.later[stage]]
+            bound = max(bound, water_level(floors, m * rest.work(stop, left)))
+        return bound
+
+    def _chain(self, start: int, stages: int) -> float:
+        """The per-stage bound of blocks [start, n) split into `stages` stages (see Remainder.chain), counting
+        only the way down when gradients need not come back (zero-bubble schedules)."""
+        if self.back:
+            return self.rest.chain(start, stages)
+        return self.model.layout.micro_batches * self.rest.work(start, stages) / stages
+
+    def _tail_bound(self, stage: int, stop: int, child: _Path) -> float:
+        """The longest tail of every completion is at least this."""
+        current = max(child.tails)
+        left = self.model.layout.num_stages - stage - 1
+        if not left:
+            return current
+        rest = self.rest
+        if not self.looped:
+            return max(current, self.model.step_overhead_s + rest.largest_stage_tail(stop, left))
+        floors = [child.tails[p] for p in self.later[stage]]
+        return max(current, water_level(floors, rest.tail_total(stop)),
+                   min(floors) + rest.stage_tail(rest.largest_block_bytes(stop)))
+
+    # ---- looped layouts: rank by rank --------------------------------------------------------------
+    # A rank of a looped layout runs stage r of the first loop and stage r + P of the second. Chosen in
+    # stage order, a rank's second stage comes long after its first, and so do its memory (the two share
+    # it) and its work: the bounds learn little until the second loop. So the search first fixes where the
+    # second loop starts (x), then both stages of rank 0, of rank 1, ...: each step completes a rank.
+
+    def _search_pairs(self) -> None:
+        lay, n = self.model.layout, self.model.num_blocks
+        p = lay.pipeline_size
+        prefix = self._work_prefix
+        splits = sorted(range(p, n - p + 1), key=lambda x: (abs(2 * prefix[x] - prefix[n]), x))
+        root = _Pairs(stages=(None,) * lay.num_stages, tails=(self.model.step_overhead_s,) * p)
+        for x in splits:
+            if self._split_bound(x) < self.cutoff:
+                self._pair(0, 0, x, x, root)
+            if not self.complete:
+                return
+
+    def _split_bound(self, x: int) -> float:
+        """A lower bound of the step of every plan whose second loop starts at block x (inf: none fits)."""
+        lay, rest = self.model.layout, self.rest
+        p, m, n = lay.pipeline_size, lay.micro_batches, self.model.num_blocks
+        cap = [self.capacity] * p
+        if not (rest.fits(0, cap, x) and rest.fits(x, cap, n)) or rest.memory(0) > p * self.capacity:
+            return math.inf
+        first = rest.work(0, p, x) + 2 * rest.sends(0, p, x) + 2 * self.model.boundary_s(p - 1, x)
+        makespan = max(m * (first + rest.work(x, p)) / p, rest.chain(0, p, x), first + rest.chain(x, p))
+        tail = max(rest.tail_total(0, x) + rest.tail_total(x), 0.0) / p
+        return makespan + self.model.step_overhead_s + tail
+
+    def _pair(self, r: int, c: int, d: int, x: int, state: "_Pairs") -> None:
+        """Choose both stages of rank r: [c, e) in the first loop, [d, g) in the second."""
+        p = self.model.layout.pipeline_size
+        if r == p:
+            self._finish_pairs(state)
+            return
+        for e in self._first_stops(r, c, d, x, state):
+            for first in self._options(r, c, e):
+                for g in self._second_stops(r, d, e, x, state, first):
+                    for second in self._options(r + p, d, g):
+                        self.nodes += 1
+                        if self.nodes > self.budget:
+                            self.complete = False
+                            return
+                        child = self._pair_child(r, e, g, x, state, first, second)
+                        if child is not None:
+                            self._pair(r + 1, e, g, x, child)
+                        if not self.complete:
+                            return
+
+    def _first_stops(self, r: int, c: int, d: int, x: int, state: "_Pairs"):
+        """Ends of rank r's first-loop stage, from the balanced one outwards. Going up, the rank's own work
+        and memory grow; going down, the work left to the later ranks (in both loops) grows."""
+        model, rest = self.model, self.rest
+        m, p, n = self.model.layout.micro_batches, self.model.layout.pipeline_size, model.num_blocks
+        left = p - r - 1
+        if not left:
+            yield x
+            return
+        limit = self.cutoff - max(state.tails)
+        rank_start = state.fwd1 + state.bwd1
+        second_least = 2 * model.action_s  # the rank's second stage, at least
+        later_least = rest.quick_work(n - left, n, left)  # the second loop's stages after this rank's, at least
+        capacity = self.capacity
+
+        def too_long(e: int) -> bool:
+            if rank_start + m * (rest.quick_work(c, e, 1) + second_least) >= limit:
+                return True
+            if model.memory_floor(r, c, e) > capacity:
+                self._note_memory(r, c, e)
+                return True
+            return False
+
+        def too_short(e: int) -> bool:
+            return (rank_start + m * (rest.quick_work(e, x, left) + later_least) / left >= limit
+                    or rest.quick_memory(e, x) > left * capacity)
+
+        yield from self._outwards(c, c + 1, x - left, x, left + 1, too_long, too_short)
+
+    def _second_stops(self, r: int, d: int, e: int, x: int, state: "_Pairs", first: StageCost):
+        """Ends of rank r's second-loop stage, next to `first` on its rank, from the balanced one outwards."""
+        model, rest = self.model, self.rest
+        m, p, n = self.model.layout.micro_batches, self.model.layout.pipeline_size, model.num_blocks
+        u, left = r + p, p - r - 1
+        if not left:
+            yield n
+            return
+        limit = self.cutoff - max(state.tails)
+        rank_start = state.fwd1 + state.bwd1
+        first_rest = rest.quick_work(e, x, left)
+        # where stage u starts, at least: the whole first loop, then the second loop's stages before it
+        before = rank_start + first.work_s + first_rest + state.fwd2 + state.bwd2
+        later = rank_start + first.work_s  # where the next rank starts, at least
+        room = self.capacity - first.memory.total
+        room_after = left * self.capacity - rest.quick_memory(e, x)
+
+        def too_long(g: int) -> bool:
+            work = rest.quick_work(d, g, 1)
+            if max(rank_start + m * (first.work_s + work), before + m * work) >= limit:
+                return True
+            if model.memory_floor(u, d, g) > room:
+                self._note_memory(u, d, g)
+                return True
+            return False
+
+        def too_short(g: int) -> bool:
+            return (later + m * (first_rest + rest.quick_work(g, n, left)) / left >= limit
+                    or rest.quick_memory(g, n) > room_after)
+
+        yield from self._outwards(d, d + 1, n - left, n, left + 1, too_long, too_short)
+
+    def _outwards(self, start: int, lowest: int, highest: int, stop: int, stages: int, too_long, too_short):
+        """Ends of a stage from `start` in [lowest, highest] that are neither `too_long` (a condition that
+        only grows with the end) nor `too_short` (only shrinks), from the one that gives the stage an equal
+        share of the work up to `stop` among `stages` stages outwards."""
+        lowest = _first(lowest, highest, lambda e: not too_short(e))
+        highest = _first(lowest, highest, too_long) - 1
+        if lowest > highest:
+            return
+        prefix = self._work_prefix
+        target = prefix[start] + (prefix[stop] - prefix[start]) / stages
+        balanced = min(max(bisect.bisect_left(prefix, target, lowest, highest), lowest), highest)
+        if balanced > lowest and target - prefix[balanced - 1] <= prefix[balanced] - target:
+            balanced -= 1
+        up, down = balanced, balanced - 1
+        while up <= highest or down >= lowest:
+            if up <= highest:
+                yield up
+                up += 1
+            if down >= lowest:
+                yield down
+                down -= 1
+
+    def _pair_child(self, r: int, e: int, g: int, x: int, state: "_Pairs", first: StageCost,
+                    second: StageCost) -> "_Pairs | None":
+        """The state with rank r's stages chosen, if they fit its memory and the bound is below the cutoff."""
+        p = self.model.layout.pipeline_size
+        step = _Step(r, r + p, e, g, x, p - r - 1, first, second)
+        if first.memory.total + second.memory.total > self.capacity or not self._later_ranks_fit(step):
+            return None
+        ends = self._ends_of_loops(state, step)
+        bounds = self._rank_bounds(state, step, ends)
+        later = self._later_ranks_bound(state, step, ends)
+        if later is None:
+            return None
+        jumps = self._looped_bfs_paths(state, step, ends)
+        tails = _put(state.tails, r, state.tails[r] + self.model.tail_s(first) + self.model.tail_s(second))
+        makespan = max(state.bound, later, jumps[-1], *bounds)
+        if makespan + self._pair_tail(tails, step) >= self.cutoff:
+            return None
+        return _Pairs(
+            stages=_put(_put(state.stages, r, first), step.u, second), fwd1=state.fwd1 + first.fwd_s + first.send_fwd_s,
+            bwd1=state.bwd1 + first.bwd_s + first.send_fwd_s, fwd2=state.fwd2 + second.fwd_s + second.send_fwd_s,
+            bwd2=state.bwd2 + second.bwd_s + second.send_fwd_s, max_fwd=max(state.max_fwd, first.fwd_s, second.fwd_s),
+            max_bwd=max(state.max_bwd, first.bwd_s, second.bwd_s), max_fwd1=jumps[0], max_bwd1=jumps[1],
+            jump_f=jumps[2], jump_b=jumps[3], tails=tails, bound=makespan)
+
+    def _later_ranks_fit(self, step: "_Step") -> bool:
+        """Whether the blocks left in both loops might fit the ranks after this one."""
+        rest, left, cap = self.rest, step.left, self.capacity
+        return not left or (rest.memory(step.e, step.x) + rest.memory(step.g) <= left * cap
+                            and rest.fits(step.e, [cap] * left, step.x) and rest.fits(step.g, [cap] * left))
+
+    def _ends_of_loops(self, state: "_Pairs", step: "_Step") -> tuple[float, float, float, float]:
+        """Forward and backward prefixes where stage u starts, and of the whole pipeline, at least."""
+        model, rest = self.model, self.rest
+        first, second, left, e, g, x = step.first, step.second, step.left, step.e, step.g, step.x
+        # from the first loop's last stage to the second loop's first
+        cut = model.boundary_s(model.layout.pipeline_size - 1, x) if left else 0.0
+        fwd_u = (state.fwd1 + first.fwd_s + first.send_fwd_s + state.fwd2
+                 + (rest.fwd(e, left, x) + rest.sends(e, left, x) + cut if left else 0.0))
+        bwd_u = (state.bwd1 + first.bwd_s + first.send_fwd_s + state.bwd2
+                 + (rest.bwd(e, left, x) + rest.sends(e, left, x) + cut if left else 0.0))
+        total_f = fwd_u + second.fwd_s + (second.send_fwd_s + rest.fwd(g, left) + rest.sends(g, left) if left else 0.0)
+        total_b = bwd_u + second.bwd_s + (second.send_fwd_s + rest.bwd(g, left) + rest.sends(g, left) if left else 0.0)
+        return fwd_u, bwd_u, total_f, total_b
+
+    def _rank_bounds(self, state: "_Pairs", step: "_Step", ends: tuple[float, ...]) -> list[float]:
+        """The rank from its first stage; its second stage from its place; its warm-up (see `_warmup_bound`)."""
+        m = self.model.layout.micro_batches
+        r, u, first, second = step.r, step.u, step.first, step.second
+        f1, b1 = state.fwd1, state.bwd1
+        fwd_u, bwd_u, total_f, total_b = ends
+        fwd_at, bwd_at, costs = {r: f1, u: fwd_u}, {r: b1, u: bwd_u}, {r: first, u: second}
+        warmup = self.warmups[r]
+        warm = sum(count * costs[s].fwd_s for s, count in warmup.forwards)
+        k = warmup.first_backward
+        round_trip = total_f - fwd_at[k] - costs[k].fwd_s + total_b - bwd_at[k] - costs[k].bwd_s
+        rank_work = first.work_s + second.work_s
+        return [f1 + b1 + m * rank_work, fwd_u + bwd_u + m * second.work_s,
+                max(f1 + warm, fwd_at[k] + costs[k].fwd_s + round_trip) + m * rank_work - warm + bwd_at[warmup.last]]
+
+    def _later_ranks_bound(self, state: "_Pairs", step: "_Step", ends: tuple[float, ...]) -> float | None:
+        """What the ranks after this one add, whatever the split of the blocks left (None: they cannot fit):
+        they share its work, and what their memory forces them to recompute; and the stages left of each loop
+        from their place."""
+        model, rest, lay = self.model, self.rest, self.model.layout
+        m, p, n = lay.micro_batches, lay.pipeline_size, model.num_blocks
+        left, e, g, x, first, second = step.left, step.e, step.g, step.x, step.first, step.second
+        if not left:
+            return 0.0
+        flight = model.in_flight
+        forced = rest.recomputed([(e, x), (g, n)], left * self.capacity,
+                                 [min(flight[q], flight[q + p]) for q in range(step.r + 1, p)])
+        if forced == math.inf:
+            return None
+        fwd_u, bwd_u, _, _ = ends
+        later = state.fwd1 + state.bwd1 + first.work_s + 2 * first.send_fwd_s  # where the next rank starts
+        return max(later + m * (rest.work(e, left, x) + rest.work(g, left) + forced) / left,
+                   later + rest.chain(e, left, x),
+                   fwd_u + bwd_u + second.work_s + 2 * second.send_fwd_s + rest.chain(g, left))
+
+    def _looped_bfs_paths(self, state: "_Pairs", step: "_Step",
+                          ends: tuple[float, ...]) -> tuple[float, float, float, float, float]:
+        """LoopedBFS's makespan is the longest forward path plus the longest backward one, each a flow shop
+        that turns at its slowest stage, or (a rank runs all its first stage's micro-batches before its
+        second's) at the slowest of stages 0..r and again at the slowest of r+P..S-1 (checked against the
+        simulator in tests/unit/test_search.py). Returns the first loop's slowest forward and backward so far,
+        the longest jumping paths so far, and the bound (0 for other schedules)."""
+        lay, rest = self.model.layout, self.rest
+        m, left, e, g, x, first, second = lay.micro_batches, step.left, step.e, step.g, step.x, step.first, step.second
+        max_f1, max_b1 = max(state.max_fwd1, first.fwd_s), max(state.max_bwd1, first.bwd_s)
+        if lay.schedule != "LoopedBFS":
+            return max_f1, max_b1, 0.0, 0.0, 0.0
+        _, _, total_f, total_b = ends
+        after_f = second.send_fwd_s + rest.fwd(g, left) + rest.sends(g, left) if left else 0.0
+        after_b = second.send_fwd_s + rest.bwd(g, left) + rest.sends(g, left) if left else 0.0
+        later_f = max(second.fwd_s, rest.max_fwd(g, left)) if left else second.fwd_s
+        later_b = max(second.bwd_s, rest.max_bwd(g, left)) if left else second.bwd_s
+        jump_f = max(state.jump_f, state.fwd1 + first.fwd_s + (m - 1) * max_f1 + second.fwd_s + after_f
+                     + (m - 1) * later_f)
+        jump_b = max(state.jump_b, state.bwd1 + first.bwd_s + (m - 1) * max_b1 + second.bwd_s + after_b
+                     + (m - 1) * later_b)
+        max_f = max(state.max_fwd, first.fwd_s, second.fwd_s)
+        max_b = max(state.max_bwd, first.bwd_s, second.bwd_s)
+        if left:
+            max_f = max(max_f, rest.max_fwd(e, left, x), rest.max_fwd(g, left))
+            max_b = max(max_b, rest.max_bwd(e, left, x), rest.max_bwd(g, left))
+        bound = max(total_f + (m - 1) * max_f, jump_f) + max(total_b + (m - 1) * max_b, jump_b)
+        return max_f1, max_b1, jump_f, jump_b, bound
+
+    def _pair_tail(self, tails: tuple[float, ...], step: "_Step") -> float:
+        """The longest tail, at least: the ranks chosen so far, and the ranks after them sharing the rest."""
+        rest, left = self.rest, step.left
+        tail = max(tails)
+        if left:
+            e, g, x, base = step.e, step.g, step.x, self.model.step_overhead_s
+            tail = max(tail, base + (rest.tail_total(e, x) + rest.tail_total(g)) / left,
+                       base + rest.stage_tail(max(rest.largest_block_bytes(e, x), rest.largest_block_bytes(g))))
+        return tail
+
+    def _finish_pairs(self, state: "_Pairs") -> None:
+        """Every stage chosen: simulate them."""
+        path, m = self._root(), self.model.layout.micro_batches
+        for stage, cost in enumerate(state.stages):
+            path = path.extend(cost, self.position[stage], m, self.model.tail_s(cost))
+        self._evaluate(path)
 
     def _evaluate(self, path: _Path) -> None:
         lay, stages = self.model.layout, path.stages
@@ -397,32 +741,57 @@ class _PartitionSearch:
         self.smallest_memory = need if self.smallest_memory is None else min(self.smallest_memory, need)
 
 
-def _replace_bound(path: _Path, bound: float) -> _Path:
-    return replace(path, bound=bound)
-
-
 def evaluate(model: CostModel, ranges: list[tuple[int, int]], recompute: list[bool]) -> Candidate | None:
     """Simulate given stage boundaries and recomputation under the model's layout (None if they don't fit)."""
-    search = _PartitionSearch(model, math.inf, None, 0)
-    path = search._root()
-    for stage, ((start, stop), rc) in enumerate(zip(ranges, recompute)):
-        cost = model.stage(stage, start, stop, rc)
-        position = search.position[stage]
-        if cost is None or path.rank_memory[position] + cost.memory.total > search.capacity:
-            return None
-        path = path.extend(cost, position, model.layout.micro_batches, search._tail(cost))
-    search._evaluate(path)
-    return search.best
+    return PartitionSearch(model).simulate(ranges, recompute)
 
 
-def _warmups(rank_orders, num_stages: int) -> list[int]:
-    """Per stage, how many forwards it runs before its first backward."""
-    warm = [0] * num_stages
-    started = set()
-    for order in rank_orders:
+class _Step(NamedTuple):
+    """Rank r's two stages under consideration: [c, e) of the first loop, [d, g) of the second."""
+
+    r: int
+    u: int  # its second stage, r + P
+    e: int
+    g: int
+    x: int  # where the second loop starts
+    left: int  # ranks after it
+    first: StageCost
+    second: StageCost
+
+
+@dataclass(frozen=True)
+class _Pairs:
+    """A looped layout's stages chosen rank by rank: what the bounds need of them."""
+
+    stages: tuple[StageCost | None, ...]  # by stage; None: not chosen yet
+    fwd1: float = 0.0  # forward + transfers of the first loop's stages chosen
+    bwd1: float = 0.0
+    fwd2: float = 0.0  # forward + transfers of the second loop's stages chosen
+    bwd2: float = 0.0
+    max_fwd: float = 0.0
+    max_bwd: float = 0.0
+    max_fwd1: float = 0.0  # of the first loop's stages chosen
+    max_bwd1: float = 0.0
+    jump_f: float = 0.0  # LoopedBFS: the longest forward (backward) path through a rank's two stages so far
+    jump_b: float = 0.0
+    tails: tuple[float, ...] = ()  # per position
+    bound: float = 0.0  # a lower bound of the makespan of every completion
+
+
+@dataclass(frozen=True)
+class _Warmup:
+    """How a rank starts and ends its part of a schedule."""
+
+    forwards: tuple[tuple[int, int], ...]  # (stage, how many) of the forwards it runs before its first backward
+    first_backward: int  # the stage of its first backward
+    last: int  # the stage of its last action
+
+    @classmethod
+    def of(cls, order) -> "_Warmup":
+        counts: dict[int, int] = {}
+        first = next((stage for stage, op, _ in order if op != "F"), order[-1][0])
         for stage, op, _ in order:
             if op != "F":
-                started.add(stage)
-            elif stage not in started:
-                warm[stage] += 1
-    return warm
+                break
+            counts[stage] = counts.get(stage, 0) + 1
+        return cls(tuple(counts.items()), first, order[-1][0])
