@@ -198,3 +198,25 @@ def test_constraints_allow_a_plan_only_if_it_honours_every_choice():
     assert not Constraints(stages=4).allows(plan) and not Constraints(micro_batches=4).allows(plan)
     assert not Constraints(user_loss=True).allows(plan)  # 1F1B cannot run when the user computes the loss
     assert not Constraints(recompute=True).allows(plan)
+
+
+def test_a_pipeline_of_one_micro_batch_says_why():
+    """Fixed costs per call make small micro-batches slow: the plan pipelines one micro-batch, and its reasons
+    give the simulated step of the same stages split into more micro-batches, and why it is slower."""
+    graph, profile = model([1e-4] * 8, param_mb=10, call_s=5e-3)
+    plan = choose_plan(graph, profile, cluster(8, 300), global_batch=64, optimizer_factor=2)
+    assert plan.num_stages > 1 and plan.micro_batches == 1
+    [why] = [r for r in plan.reasons if r.startswith("one micro-batch:")]
+    assert "the fastest split of the same stages into more, 2 micro-batches of 8 rows" in why
+    step = float(why.split("simulates ")[1].split(" s per step")[0])
+    assert step > plan.estimate.step_s and "bubble shrinks from 50%" in why and "compute grows" in why
+    [kept] = [r for r in plan.reasons if r.startswith("no recomputation:")]
+    assert "recomputing every stage would take" in kept
+
+
+def test_one_row_per_replica_does_not_split():
+    graph, profile = model([1e-4] * 8, param_mb=10, call_s=5e-3)
+    plan = choose_plan(graph, profile, cluster(8, 300), global_batch=4, optimizer_factor=2,
+                       constraints=Constraints(stages=2))
+    assert (plan.num_replicas, plan.micro_batches) == (4, 1)
+    assert "one micro-batch: each replica computes a single row, which does not split" in plan.reasons

@@ -12,8 +12,9 @@ from partita.plan.cost import CostModel, Layout
 from partita.plan.explain import size
 from partita.plan.plan import Estimate, Plan, StagePlan, check_batch, divisors
 from partita.plan.constraints import Constraints
-from partita.plan.search import (NODE_BUDGET, SEARCH_BUDGET, Candidate, PartitionSearch, SearchResult, evaluate,
-                                  layouts, search)
+from partita.plan.search import (NODE_BUDGET, SEARCH_BUDGET, SEARCHED_SCHEDULES, Candidate, PartitionSearch,
+                                  SearchResult, evaluate, layouts, search)
+from partita.schedule import check_sizes
 from partita.schedule.catalog import FORWARDS_FIRST_SCHEDULES, SCHEDULES, stages_per_rank
 
 
@@ -39,8 +40,7 @@ def choose_plan(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global
     chosen = simpler or fastest
     model = CostModel(graph, profile, cluster, optimizer_factor, chosen.layout)
     plan = to_plan(graph, model, chosen, result, global_batch, profile, time.perf_counter() - started)
-    reasons = _reasons(graph, profile, cluster, global_batch, optimizer_factor, constraints, result, plan,
-                       fastest if simpler is not None else None)
+    reasons = _reasons(model, chosen, constraints, result, plan, fastest if simpler is not None else None)
     return replace(plan, reasons=reasons).validate(cluster.world_size)
 
 
@@ -190,9 +190,9 @@ def _unconstrained_memory(model: CostModel) -> int:
     return int(params * (3 + model.optimizer_factor) + acts + model.cluster.overhead_bytes)
 
 
-def _reasons(graph, profile, cluster, global_batch, optimizer_factor, constraints, result: SearchResult,
-             plan: Plan, fastest_not_taken: Candidate | None = None) -> tuple[str, ...]:
-    est = plan.estimate
+def _reasons(model: CostModel, chosen: Candidate, constraints: Constraints, result: SearchResult, plan: Plan,
+             fastest_not_taken: Candidate | None = None) -> tuple[str, ...]:
+    """Why the planner chose this plan, each reason with the figures of the search and simulations behind it."""
     out = []
     fixed = constraints.choices()
     if fixed:
@@ -200,15 +200,7 @@ def _reasons(graph, profile, cluster, global_batch, optimizer_factor, constraint
     if constraints.user_loss and constraints.schedule is None:
         out.append(f"schedules limited to {' and '.join(FORWARDS_FIRST_SCHEDULES)}: without loss_fn your code "
                    "computes the loss after the forward of every micro-batch")
-    if result.proven_optimal:
-        out.append(f"fastest simulated step of {result.layouts_considered} layouts (stages x replicas x schedule x "
-                   f"micro-batches); {result.layouts_searched} needed a search of their stage boundaries, lower "
-                   "bounds ruled out the rest; proven optimal in this space")
-    else:
-        gap = (est.step_s - result.lower_bound_s) / est.step_s if est.step_s else 0.0
-        out.append(f"best found among {result.layouts_considered} layouts before the search budget ran out: no plan "
-                   f"steps faster than {result.lower_bound_s:.4g} s (a lower bound), so this one is at most "
-                   f"{100 * gap:.0f}% slower than the best possible")
+    out.append(_search_reason(result, plan))
     if fastest_not_taken is not None:
         deeper = fastest_not_taken.layout.pipeline_size
         out.append(f"{plan.pipeline_size} rank(s) per pipeline rather than the {deeper} of the fastest simulated plan "
@@ -219,16 +211,96 @@ def _reasons(graph, profile, cluster, global_batch, optimizer_factor, constraint
         if fastest_not_taken is None:
             out.append("data parallel only: the whole model fits one device and nothing pipelined is faster")
     elif "stages" not in fixed:
-        dp_step, dp_memory = _data_parallel(graph, profile, cluster, global_batch, optimizer_factor)
-        if dp_step is None:
-            out.append(f"data parallel alone does not fit: it needs {size(dp_memory)} per rank, "
-                       f"{size(cluster.memory_per_rank)} available")
-        else:
-            out.append(f"data parallel alone would take {dp_step:.4g} s per step "
-                       f"({100 * (dp_step / est.step_s - 1):+.0f}%)")
+        out.append(_data_parallel_reason(model, plan))
+    if "micro_batches" not in fixed:
+        out.extend(filter(None, [_one_micro_batch_reason(model, chosen, constraints)]))
     if any(s.recompute for s in plan.stages):
         out.append(f"recomputation on stage(s) {[s.index for s in plan.stages if s.recompute]} to fit memory")
+    elif constraints.recompute is None:
+        out.append(_no_recomputation_reason(model, chosen, plan))
     return tuple(out)
+
+
+def _search_reason(result: SearchResult, plan: Plan) -> str:
+    est = plan.estimate
+    if result.proven_optimal:
+        return (f"fastest simulated step of {result.layouts_considered} layouts (stages x replicas x schedule x "
+                f"micro-batches); {result.layouts_searched} needed a search of their stage boundaries, lower "
+                "bounds ruled out the rest; proven optimal in this space")
+    gap = (est.step_s - result.lower_bound_s) / est.step_s if est.step_s else 0.0
+    return (f"best found among {result.layouts_considered} layouts before the search budget ran out: no plan "
+            f"steps faster than {result.lower_bound_s:.4g} s (a lower bound), so this one is at most "
+            f"{100 * gap:.0f}% slower than the best possible")
+
+
+def _data_parallel_reason(model: CostModel, plan: Plan) -> str:
+    cluster = model.cluster
+    dp_step, dp_memory = _data_parallel(model.graph, model.profile, cluster, plan.estimate.global_batch,
+                                        model.optimizer_factor)
+    if dp_step is None:
+        return (f"data parallel alone does not fit: it needs {size(dp_memory)} per rank, "
+                f"{size(cluster.memory_per_rank)} available")
+    slower = 100 * (dp_step / plan.estimate.step_s - 1)
+    return f"data parallel alone would take {dp_step:.4g} s per step ({slower:+.0f}%)"
+
+
+def _one_micro_batch_reason(model: CostModel, chosen: Candidate, constraints: Constraints) -> str | None:
+    """Why a pipeline runs its batch as one micro-batch: the same stages simulated with the batch split into
+    more (each divisor of the rows, each schedule that runs these stages), the fastest of them."""
+    lay = chosen.layout
+    if lay.micro_batches != 1 or lay.num_stages == 1:
+        return None
+    rows = lay.micro_batch_rows
+    if rows == 1:
+        return "one micro-batch: each replica computes a single row, which does not split"
+    ranges = [c.blocks for c in chosen.stages]
+    split = [found for found in (_same_stages(model, chosen, schedule, m, ranges)
+                                 for m in divisors(rows)[1:] for schedule in SEARCHED_SCHEDULES
+                                 if stages_per_rank(schedule) == stages_per_rank(lay.schedule)
+                                 and constraints.allows_schedule(schedule)
+                                 and constraints.schedule in (None, schedule)) if found is not None]
+    if not split:
+        return "one micro-batch: with these stages, no split of the batch into more micro-batches fits memory"
+    best = min(split, key=lambda c: c.step_s)
+    more = best.layout
+
+    def compute_s(c: Candidate) -> float:  # what the stages compute in a step, partita's runtime per action included
+        return sum(s.work_s for s in c.stages) * c.layout.micro_batches
+
+    return (f"one micro-batch: the fastest split of the same stages into more, {more.micro_batches} micro-batches of "
+            f"{more.micro_batch_rows} rows ({more.schedule}), simulates {best.step_s:.4g} s per step "
+            f"({100 * (best.step_s / chosen.step_s - 1):+.0f}%): its bubble shrinks from "
+            f"{100 * chosen.trace.bubble_fraction:.0f}% to {100 * best.trace.bubble_fraction:.0f}%, but the stages' "
+            f"compute grows from {compute_s(chosen):.4g} to {compute_s(best):.4g} s per step (each micro-batch pays "
+            f"the blocks' fixed costs and {1e3 * model.action_s:.2g} ms of runtime per action again)")
+
+
+def _same_stages(model: CostModel, chosen: Candidate, schedule: str, micro_batches: int,
+                 ranges: list[tuple[int, int]]) -> Candidate | None:
+    """The chosen stage boundaries under another schedule and micro-batch count, simulated (recomputing
+    only where needed to fit); None where that layout is not valid or does not fit."""
+    lay = chosen.layout
+    try:
+        check_sizes(schedule, lay.num_stages, lay.pipeline_size, micro_batches)
+    except ValueError:
+        return None
+    layout = Layout(schedule, lay.num_stages, lay.pipeline_size, lay.num_replicas, micro_batches,
+                    lay.micro_batch_rows // micro_batches)
+    other = CostModel(model.graph, model.profile, model.cluster, model.optimizer_factor, layout)
+    return evaluate(other, ranges, [None] * len(ranges))
+
+
+def _no_recomputation_reason(model: CostModel, chosen: Candidate, plan: Plan) -> str:
+    """Why no stage recomputes: they all fit with their activations kept, and recomputing costs time (the same
+    plan simulated with every stage recomputing)."""
+    peak = size(plan.estimate.peak_memory_bytes)
+    text = (f"no recomputation: every stage fits with its activations kept (peak {peak} of "
+            f"{size(model.cluster.memory_per_rank)} per rank)")
+    everywhere = evaluate(model, [c.blocks for c in chosen.stages], [True] * len(chosen.stages))
+    if everywhere is not None:
+        text += (f"; recomputing every stage would take {everywhere.step_s:.4g} s per step "
+                 f"({100 * (everywhere.step_s / chosen.step_s - 1):+.0f}%)")
+    return text
 
 
 def _fitting_layout(graph, profile, cluster, global_batch, optimizer_factor, recompute) -> Layout | None:

@@ -741,8 +741,9 @@ class PartitionSearch:
         self.smallest_memory = need if self.smallest_memory is None else min(self.smallest_memory, need)
 
 
-def evaluate(model: CostModel, ranges: list[tuple[int, int]], recompute: list[bool]) -> Candidate | None:
-    """Simulate given stage boundaries and recomputation under the model's layout (None if they don't fit)."""
+def evaluate(model: CostModel, ranges: list[tuple[int, int]], recompute: list[bool | None]) -> Candidate | None:
+    """Simulate given stage boundaries and recomputation (None: the cheapest that fits) under the model's layout
+    (None if they don't fit)."""
     return PartitionSearch(model).simulate(ranges, recompute)
 
 
