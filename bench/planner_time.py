@@ -6,6 +6,8 @@ Cases from the issue: RaNNC's tutorial model at 2.5 B parameters (hidden 5000, 1
 for 8 x A100-40GB with Adam (RaNNC: about 300 s), and the shape of GPT-3 175B (96 layers, hidden 12288) for
 1024 x A100-80GB in bfloat16. Goals: 1 s and 10 s.
 
+bench/search_time.py times the search alone over a sweep of model sizes and worlds, on synthetic models.
+
 Each case runs in a fresh Python process, as `partita plan` does. Its first torch.export pays a one-time
 start-up (importing torch._dynamo and friends, about as long as `import torch`) that any torch.export user
 pays once per process; it is timed on its own, on a one-layer model, and reported apart from the planning.

@@ -2,20 +2,23 @@
 
 A step is the pipeline's makespan plus the longest tail (a rank's gradient all-reduce, gradient copies and
 optimizer step, after the pipeline drains), so lower bounds of the two add up. What the makespan bounds
-use of a schedule (each is checked against the simulator in tests/unit/test_search.py):
+use of a schedule (those of plan/search.py's stage-by-stage and rank-by-rank searches as well; all are
+checked against brute force and the simulator in tests/unit/test_search.py):
 - A rank runs its actions one at a time, and a stage runs 2M of them (M micro-batches, forward and backward).
 - A stage's first action waits for micro-batch 0 to come through the stages before it, and after its last
   action the gradient still goes back through them. So the makespan is at least prefix_s + M w_s for every
   stage s (w: forward + backward per micro-batch; prefix: w and transfers of the stages before it), and
-  prefix_r + M (the w of all its stages) for every rank r, from its first stage.
+  prefix_r + M (the w of all its stages) for every rank r, from its first stage. Zero-bubble schedules end
+  with weight gradients (W), which send nothing back: for them only the way down counts.
+- A rank's first backward waits for its warm-up forwards and for micro-batch 0's round trip through the
+  later stages; everything else the rank runs comes after it.
 - GPipe's makespan is sum(f) + sum(b) + transfers + (M-1)(max f + max b), exactly: each phase is a flow
-  shop whose longest path turns once, at its slowest stage. LoopedBFS runs every dependency of GPipe's
-  orders and more, so the same sum bounds it from below.
-- 1F1B: stage k's first backward waits for micro-batch 0's round trip through the later stages, while the
-  rank runs its warm-up forwards.
+  shop whose longest path turns once, at its slowest stage. LoopedBFS's is the same per phase, or a path
+  through stages 0..r and r+P..S-1 (rank r runs all of its first stage before its second) turning in both.
 Blocks not yet placed (`Remainder`) cost at least, whatever stages they are split into: their compute, two
 action overheads per stage, the gradient traffic of the parameters they use, the cheapest transfers between
-their stages; one of the stages holds their largest block; and every rank has room for what lands on it.
+their stages, the forwards that memory forces them to recompute; one of the stages holds their largest
+block, and one as many blocks as the average; and every rank has room for what lands on it.
 """
 
 from __future__ import annotations
