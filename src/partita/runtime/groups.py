@@ -14,7 +14,9 @@ from partita.runtime.grads import ParamGroup
 
 def _new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
     # every rank must create every group, in the same order, even the ones it is not in
-    return dist.new_group(list(ranks), timeout=timedelta(seconds=settings.timeout_s())) if dist.is_initialized() else None
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(list(ranks), timeout=timedelta(seconds=settings.timeout_s()))
 
 
 def pipeline_groups(plan: Plan) -> list[dist.ProcessGroup | None]:

@@ -101,9 +101,12 @@ class Pipeline:
             stage.stage_index_to_group_rank = dict(position)
             self.stages.append(stage)
         self.by_index = {s.stage_index: s for s in self.stages}
-        # this rank's actions in the order of the plan's schedule
-        self.order = orders(plan.schedule, plan.num_stages, plan.pipeline_size,
-                            plan.micro_batches)[replica_ranks.index(rank)]
+        # this rank's actions in the order of the plan's schedule, split for the driver's two phases
+        order = orders(plan.schedule, plan.num_stages, plan.pipeline_size, plan.micro_batches)[
+            replica_ranks.index(rank)]
+        self.forwards = [a for a in order if a.op == FORWARD]
+        self.backwards = [a for a in order if a.op != FORWARD]
+        self.last_backward = {a.stage: a.micro_batch for a in self.backwards}  # each stage's last micro-batch
         self.has_backward = has_backward
         self.loss_fn = loss_fn
         self._schedule = None
@@ -155,9 +158,7 @@ class Pipeline:
         self.executed.clear()
         sends, kept = [], {}
         outputs: dict[int, tuple] = {}
-        for action in self.order:
-            if action.op != FORWARD:
-                continue
+        for action in self.forwards:
             stage, mb = self.by_index[action.stage], action.micro_batch
             args: tuple = ()
             if stage.is_first:
@@ -179,10 +180,8 @@ class Pipeline:
     def backward(self, last_stage_losses: list[torch.Tensor] | None) -> None:
         """The schedule's backwards on this rank; the last stage starts from `last_stage_losses` (one per
         micro-batch)."""
-        backwards = [a for a in self.order if a.op != FORWARD]
-        last_of_stage = {a.stage: a.micro_batch for a in backwards}
         sends = []
-        for action in backwards:
+        for action in self.backwards:
             stage, mb = self.by_index[action.stage], action.micro_batch
             loss = None
             if stage.is_last:
@@ -191,7 +190,8 @@ class Pipeline:
                 stage.set_local_bwd_input(self.by_index[action.stage + 1].get_local_bwd_output(mb), mb)
             else:
                 _wait(_p2p(stage.get_bwd_recv_ops(mb)))
-            stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last_of_stage[action.stage] == mb)
+            stage.backward_one_chunk(mb, loss=loss, full_backward=True,
+                                     last_backward=self.last_backward[action.stage] == mb)
             if not stage.is_first and action.stage - 1 not in self.by_index:
                 sends += _p2p(stage.get_bwd_send_ops(mb))
         _wait(sends)
