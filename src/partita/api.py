@@ -16,6 +16,7 @@ from torch import nn
 from partita.capture.dtypes import InputDtype, dtype_problem, input_dtypes
 from partita.capture.export import CallSignature, capture, flatten_call, misplaced
 from partita.capture.model_graph import model_graph
+from partita.checkpoint.weights import model_weights
 from partita.errors import BatchError, PlanError
 from partita.graph import ModelGraph
 from partita.launch import env
@@ -25,6 +26,7 @@ from partita.planning import Planned, PlanRequest, agreed_plan
 from partita.runtime import agreement
 from partita.runtime.batch import Call, local_rows, loss_of, split_target
 from partita.runtime.build import build_runtime
+from partita.runtime.materialize import Initial, InitFn, check_devices, initial_of
 from partita.runtime.optim import optimizer_state_factor
 from partita.runtime.run import Held, Runtime, in_mode
 from partita.sim import Trace
@@ -36,10 +38,11 @@ class ParallelModule(nn.Module):
     """The user's model, trained across processes. Call it like the model; see `parallelize`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn,
-                 constraints: Constraints, plan: Plan | str | Path | None):
+                 constraints: Constraints, plan: Plan | str | Path | None, initial: Initial):
         super().__init__()
         self.module = model
         self._optimizer = optimizer
+        self._initial = initial
         self._loss = loss_of(loss_fn)
         self._request = PlanRequest(constraints, plan, optimizer_state_factor(optimizer))
         self._runtime: Runtime | None = None
@@ -90,6 +93,7 @@ class ParallelModule(nn.Module):
     def _setup(self, call: Call) -> None:
         world = env.world()
         with agreement.together("capturing the model"), in_mode(self.module, True):
+            check_devices(self.module, world.device)
             cap = capture(self.module, call.args, call.kwargs)
             self._input_dtypes = input_dtypes(cap)
             graph = model_graph(cap)
@@ -100,7 +104,7 @@ class ParallelModule(nn.Module):
         self._graph = graph
         self._runtime = build_runtime(self.module, cap, graph, self._planned.plan, call, loss=self._loss,
                                       optimizer=self._optimizer, rank=world.rank, world_size=world.world_size,
-                                      device=world.device)
+                                      device=world.device, initial=self._initial)
 
     def adopt_plan(self, plan: Plan) -> bool:
         """Use `plan` (e.g. the one a checkpoint was saved under) at the first call instead of planning, unless
@@ -172,7 +176,9 @@ class ParallelModule(nn.Module):
 
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, loss_fn=None,
                 stages: int | None = None, replicas: int | None = None, micro_batches: int | None = None,
-                schedule: str | None = None, plan: Plan | str | Path | None = None) -> ParallelModule:
+                schedule: str | None = None, plan: Plan | str | Path | None = None,
+                init_fn: InitFn | None = None, weights: str | Path | None = None,
+                strict: bool = True) -> ParallelModule:
     """Wrap an unmodified model so that it trains across this job's processes.
 
     Each rank passes its own local batch; the global batch is the ranks' local batches concatenated in rank
@@ -182,6 +188,15 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
     `stages`, `replicas`, `micro_batches` and `schedule` fix what the planner would choose; `plan` takes a
     saved plan (a path or a Plan).
+
+    Each rank keeps only the parameters and buffers of its own stages, on its device, and frees the rest. The
+    model may be built on the CPU (every rank starts from rank 0's weights) or, when it is bigger than host
+    memory, on the meta device: each rank then initializes only its part with each module's
+    `reset_parameters()` (or `init_fn(module)`), to the values the model built on the CPU would have had.
+    The optimizer may be built on the meta parameters: it steps the materialized ones. `weights` takes the
+    initial values from a file instead (a torch.save state dict, a safetensors file, a folder of safetensors
+    shards with its index, or a partita checkpoint): each rank reads only its tensors. Every tensor of the
+    model must be in it, in its shape; `strict=False` allows tensors the model does not have.
 
     >>> import torch, partita
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -201,4 +216,5 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         raise PlanError(user_loss_problem(schedule))
     # from now on partita.shutdown() tells the other ranks when this one stops calling the model
     env.before_leaving(agreement.leave)
-    return ParallelModule(model, optimizer, loss_fn, constraints, plan)
+    reader = model_weights(weights, model, strict=strict) if weights is not None else None
+    return ParallelModule(model, optimizer, loss_fn, constraints, plan, initial_of(model, init_fn, reader))

@@ -27,6 +27,11 @@ class BatchError(PartitaError):
     """The inputs of a call do not fit the plan (batch size, device, structure)."""
 
 
+class ModelError(PartitaError):
+    """The model as given cannot be built on the ranks: a meta module nothing initializes, tensors on another
+    rank's device."""
+
+
 class LaunchError(PartitaError):
     """Processes could not be started or could not find each other."""
 
@@ -47,7 +52,7 @@ class InternalError(PartitaError):
 
 # partita's error classes by name: the kinds a RankError can name and rebuild
 KINDS: dict[str, type[PartitaError]] = {c.__name__: c for c in (
-    PartitaError, CaptureError, PlanError, BatchError, LaunchError, CheckpointError, SettingsError, InternalError)}
+    PartitaError, CaptureError, PlanError, BatchError, ModelError, LaunchError, CheckpointError, SettingsError, InternalError)}
 
 
 def as_partita(exc: BaseException) -> PartitaError:

@@ -36,6 +36,10 @@ class Diffs:
         excess, why = _excess(got, want)
         self._record(kind, f"{what} ({why})" if why else what, excess)
 
+    def add_exact(self, kind: str, what: str, got, want) -> None:
+        """Bit for bit: any difference fails."""
+        self._record(kind, what, -1.0 if got is not None and torch.equal(got, want) else math.inf)
+
     def fail(self, kind: str, what: str) -> None:
         """A difference that is not a number: another structure, other keys."""
         self._record(kind, what, math.inf)
@@ -106,7 +110,7 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
              accumulate: int = 1, local_batch: int = 8, input_grad: bool = False, call_kwargs: dict | None = None,
              lr_schedule: str | None = None, statistics_replicas: int = 1, roundtrip: dict | None = None,
              eval_batch: int | None = None, no_grad_batch: int | None = None, reduction: str = "mean",
-             extra_rows: int = 0, **plan_args) -> dict:
+             extra_rows: int = 0, build: str = "cpu", weights: str | None = None, **plan_args) -> dict:
     """Train `steps` steps with partita and in one process; report the worst differences, the plans used and
     the global losses partita returned (as float.hex, to compare ranks bit for bit).
 
@@ -119,6 +123,10 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
         in train mode.
     reduction: the loss function's ("sum": the case's loss function summing instead of averaging).
     extra_rows: rank r passes local_batch + r * extra_rows rows (batches of different sizes).
+    build: "meta" builds partita's model on the meta device (the reference on the CPU, from the same seed);
+        its initial parameters must equal the reference's bit for bit ("initial").
+    weights: a file path: rank 0 saves other weights there (safetensors for .safetensors, else torch.save),
+        the reference loads them and partita's model gets them with weights=.
     """
     if lr_schedule and roundtrip:
         raise ValueError("lr_schedule and roundtrip do not combine: the fresh run has no scheduler")
@@ -128,13 +136,20 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
         summed.reduction = reduction
         case = dataclasses.replace(case, loss_fn=summed)
     torch.manual_seed(0)
-    model = case.make()
-    ref = copy.deepcopy(model)
+    ref = case.make()
+    torch.manual_seed(0)
+    with torch.device("meta" if build == "meta" else "cpu"):
+        model = case.make()
+    if build == "cpu":
+        model.load_state_dict(ref.state_dict())
+    if weights is not None:
+        ref.load_state_dict(_other_weights(ref, weights))
     opt, ref_opt = _optimizer(optimizer, model), _optimizer(optimizer, ref)
     loss_fn = case.loss_fn if style == "loss_fn" else None
-    pm = partita.parallelize(model, _real(opt), loss_fn=loss_fn, **plan_args)
+    pm = partita.parallelize(model, _real(opt), loss_fn=loss_fn, weights=weights, **plan_args)
     side = _SideBySide(case, style, ref, ref_opt, local_batch, accumulate, input_grad, call_kwargs or {},
-                       statistics_replicas, _scheduler(lr_schedule, ref_opt), extra_rows)
+                       statistics_replicas, _scheduler(lr_schedule, ref_opt), extra_rows,
+                       exact_initial=build != "cpu" or weights is not None)
     sched = _scheduler(lr_schedule, opt)
     for step in range(steps):
         side.step(pm, opt, sched, f"step {step}")
@@ -150,7 +165,24 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
         side.forward_only(pm, "eval", eval_batch, training=False)
     if no_grad_batch is not None:
         side.forward_only(pm, "no_grad", no_grad_batch, training=True)
-    return {"diffs": side.diffs.result(), "losses": side.losses, **report}
+    held = sorted(n for n, t in model.state_dict(keep_vars=True).items() if not t.is_meta)
+    return {"diffs": side.diffs.result(), "losses": side.losses, "held": held, **report}
+
+
+def _other_weights(model: torch.nn.Module, path: str) -> dict[str, torch.Tensor]:
+    """Weights unlike `model`'s own (every tensor moved), written to `path` by rank 0; every rank gets them."""
+    state = {n: t + torch.randn(t.shape, generator=torch.Generator().manual_seed(7)) if t.is_floating_point()
+             else t + 2 for n, t in model.state_dict().items()}
+    if partita.get_rank() == 0:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            save_file({n: t.contiguous() for n, t in state.items()
+                       if n != "proj.weight"}, path)  # a tied weight saved once, as Hugging Face saves it
+        else:
+            torch.save(state, path)
+    partita.barrier()
+    return state
 
 
 def _real(optimizer):
@@ -195,6 +227,17 @@ def _continue_in_fresh_run(side: "_SideBySide", pm, opt, optimizer: str, loss_fn
     return fresh_pm.plan
 
 
+class _Scale(torch.nn.Module):
+    """A module with a parameter of its own and no reset_parameters(): nothing can initialize it on meta."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * self.gain
+
+
 class _FailsOnRank(torch.nn.Module):
     """A model whose forward raises on one rank only (a rank-dependent bug in user code)."""
 
@@ -213,7 +256,8 @@ class _SideBySide:
     `diffs`; the global losses partita returns (every rank must get the same bits) to `losses`."""
 
     def __init__(self, case: Case, style: str, ref: torch.nn.Module, ref_opt, local_batch: int, accumulate: int,
-                 input_grad: bool, call_kwargs: dict, statistics_replicas: int, ref_sched, extra_rows: int = 0):
+                 input_grad: bool, call_kwargs: dict, statistics_replicas: int, ref_sched, extra_rows: int = 0,
+                 exact_initial: bool = False):
         self.case, self.style, self.ref, self.ref_opt, self.ref_sched = case, style, ref, ref_opt, ref_sched
         self.local_batch, self.accumulate, self.input_grad = local_batch, accumulate, input_grad
         self.call_kwargs, self.statistics_replicas, self.extra_rows = call_kwargs, statistics_replicas, extra_rows
@@ -222,6 +266,7 @@ class _SideBySide:
         self.gen = torch.Generator().manual_seed(1)
         self.diffs = Diffs()
         self.losses: list[str] = []
+        self.exact_initial = exact_initial  # compare the initial parameters bit for bit at the first step
 
     def _batch(self, rows_per_rank: int) -> tuple[tuple, dict, torch.Tensor, slice]:
         """A global batch and this rank's rows of it."""
@@ -239,6 +284,9 @@ class _SideBySide:
             self._forward_backward(pm, label)
         for n in self.names:
             self.diffs.add("grad", f"{label} {n}", pm.get_param_grad(n), self.ref.get_parameter(n).grad)
+            if self.exact_initial:
+                self.diffs.add_exact("initial", n, pm.get_param(n), self.ref.get_parameter(n))
+        self.exact_initial = False
         opt.step()
         self.ref_opt.step()
         if sched is not None:
@@ -428,6 +476,21 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
         elif scenario == "capture_fails_on_one_rank":
             pm = partita.parallelize(_FailsOnRank(1, model), loss_fn=torch.nn.MSELoss())
             pm(x, y)
+        elif scenario == "meta_without_init":  # a module with its own parameter and no reset_parameters()
+            with torch.device("meta"):
+                scaled = torch.nn.Sequential(torch.nn.Linear(32, 32), _Scale(32))
+            pm = partita.parallelize(scaled, loss_fn=torch.nn.MSELoss(), stages=2)
+            pm(x, y)
+        elif scenario == "meta_on_one_rank":
+            with torch.device("meta" if rank == 1 else "cpu"):
+                mixed = CASES["mlp"].make()
+            pm = partita.parallelize(mixed, loss_fn=torch.nn.MSELoss(), stages=2)
+            pm(x, y)
+        elif scenario == "weights_missing":
+            if rank == 0:
+                torch.save({n: t for n, t in model.state_dict().items() if n != "layers.1.bias"}, plan_path)
+            partita.barrier()
+            partita.parallelize(model, loss_fn=torch.nn.MSELoss(), weights=plan_path)
         elif scenario == "one_rank_stops_early":
             pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=int(plan_path))
             for _ in range(3 if rank == 0 else 2):

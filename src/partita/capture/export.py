@@ -5,6 +5,11 @@ batch, captured as a dynamic dimension), everything else (numbers, None, strings
 capture, so a call with other constants is captured again. The result keeps the lifted graph, with
 parameters and buffers as placeholders mapped to their original names, so the splitter can hand each stage
 exactly the tensors it uses, the same tensor objects the user's model and optimizer hold.
+
+Capture never reads a weight: it traces with fake stand-ins for the model's parameters and buffers (their
+shapes and dtypes, on the device the model computes on). So a model built on the meta device, or one whose
+weights this rank freed because other ranks hold them, captures as a model with real weights does, and
+device constants in the graph (`torch.arange(n, device=x.device)`) name the real device.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.export import Dim, export
 from torch.export.graph_signature import InputKind, OutputKind
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
 
 from partita.capture.shapes import meta_like, shape_at, value_dependent
 from partita.errors import BatchError, CaptureError
@@ -90,7 +97,8 @@ class CapturedGraph:
     training: bool
     signature: CallSignature
     user_inputs: list[str]  # placeholder names of the call's tensors, in flat order
-    tensor_of: dict[str, torch.Tensor]  # placeholder name -> the user's parameter / buffer / constant
+    module: nn.Module  # the user's model, which holds the parameters and buffers
+    constants: dict[str, torch.Tensor]  # placeholder name -> a tensor the model keeps outside its state
     fqn_of: dict[str, str]  # placeholder name -> original FQN (parameters and buffers)
     parameters: set[str]  # placeholder names that are parameters
     outputs: list[Any]  # user output leaves: fx.Node or a constant, in out_spec order
@@ -102,6 +110,18 @@ class CapturedGraph:
 
     def node(self, name: str) -> fx.Node:
         return _node_index(self.gm)[name]
+
+    def holds(self, name: str) -> bool:
+        """Whether placeholder `name` is a tensor of the model (parameter, buffer or constant), not an input."""
+        return name in self.fqn_of or name in self.constants
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The model's tensor behind placeholder `name`, as the model holds it now: looked up by name, since a
+        rank materializes, frees or replaces its weights after capturing."""
+        if name in self.constants:
+            return self.constants[name]
+        fqn = self.fqn_of[name]
+        return self.module.get_parameter(fqn) if name in self.parameters else self.module.get_buffer(fqn)
 
     def routes_by_value(self) -> bool:
         """Whether a size depends on tensor values (the tokens routed to each expert of a mixture of experts).
@@ -143,32 +163,52 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> CapturedGraph:
     examples = _example_inputs(tensors)
     dynamic = (tuple({0: Dim.AUTO} for _ in examples),)
     tracker = _ModuleTracker(model)
+    device = examples[0].device if examples else torch.device("cpu")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with tracker:
-            ep = export(wrapper, tuple(examples), dynamic_shapes=dynamic, strict=False)
+        with tracker, _reparametrize_module(wrapper, _stand_ins(wrapper, mode, device), tie_weights=True):
+            fakes = tuple(_fake(t, mode, t.device) for t in examples)
+            ep = export(wrapper, fakes, dynamic_shapes=dynamic, strict=False)
     except Exception as e:  # noqa: BLE001 - translated into an actionable CaptureError
         raise _capture_error(model, tracker, e) from e
-    return _from_exported(ep, model.training, signature, examples)
+    return _from_exported(ep, model, signature, examples)
 
 
-def _from_exported(ep, training: bool, signature: CallSignature, examples: list[torch.Tensor]) -> CapturedGraph:
+def _fake(t: torch.Tensor, mode: FakeTensorMode, device: torch.device) -> torch.Tensor:
+    """A tensor of `mode` shaped like `t` on `device`, whatever device `t` is on (meta included)."""
+    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return FakeTensor(mode, meta, device)
+
+
+def _stand_ins(module: nn.Module, mode: FakeTensorMode, device: torch.device) -> dict[str, torch.Tensor]:
+    """A fake stand-in for every parameter and buffer on `device`, where the rank will hold it, one per tensor
+    object (tied weights stay tied)."""
+    made: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if id(t) not in made:
+            fake = _fake(t, mode, device)
+            made[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
+        out[name] = made[id(t)]
+    return out
+
+
+def _from_exported(ep, model: nn.Module, signature: CallSignature, examples: list[torch.Tensor]) -> CapturedGraph:
     gm = ep.graph_module
-    tensor_of: dict[str, torch.Tensor] = {}
+    constants: dict[str, torch.Tensor] = {}
     fqn_of: dict[str, str] = {}
     parameters: set[str] = set()
     user_inputs: list[str] = []
-    state = {**ep.state_dict, **ep.constants}
     for spec in ep.graph_signature.input_specs:
         name = spec.arg.name
         if spec.kind == InputKind.USER_INPUT:
             user_inputs.append(name)
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-            tensor_of[name] = state[spec.target]
             fqn_of[name] = _strip(spec.target)
             if spec.kind == InputKind.PARAMETER:
                 parameters.add(name)
         elif spec.kind == InputKind.CONSTANT_TENSOR:
-            tensor_of[name] = state[spec.target]
+            constants[name] = ep.constants[spec.target]
         else:
             raise CaptureError(
                 f"the captured graph has an input of kind {spec.kind.name} ({name}), which partita cannot "
@@ -193,8 +233,8 @@ def _from_exported(ep, training: bool, signature: CallSignature, examples: list[
         else:
             raise CaptureError(f"the captured graph has an output of kind {spec.kind.name}, not supported")
     cap = CapturedGraph(
-        gm=gm, training=training, signature=signature, user_inputs=user_inputs, tensor_of=tensor_of,
-        fqn_of=fqn_of, parameters=parameters, outputs=outputs, out_spec=ep.call_spec.out_spec, examples=examples,
+        gm=gm, training=model.training, signature=signature, user_inputs=user_inputs, module=model,
+        constants=constants, fqn_of=fqn_of, parameters=parameters, outputs=outputs, out_spec=ep.call_spec.out_spec, examples=examples,
         buffer_updates=updates,
     )
     cap.requires_grad = _requires_grad(cap)
@@ -214,7 +254,7 @@ def _requires_grad(cap: CapturedGraph) -> dict[str, bool]:
             continue
         val = node.meta["val"]
         t = torch.empty(shape_at(val, 2), dtype=val.dtype, device="meta")
-        wanted = cap.tensor_of[node.name].requires_grad if node.name in cap.tensor_of else flags[node.name]
+        wanted = cap.tensor(node.name).requires_grad if cap.holds(node.name) else flags[node.name]
         args.append(t.requires_grad_(wanted) if t.is_floating_point() or t.is_complex() else t)
     out: dict[str, bool] = {}
 

@@ -261,7 +261,7 @@ def _build(cap, s, nodes, inputs, outputs, kinds, substitute, is_last) -> StageG
             return env[node.name]
         kind = kinds[node.name]
         if kind == NodeKind.STATE:
-            attrs[node.name] = cap.tensor_of[node.name]
+            attrs[node.name] = cap.tensor(node.name)
             if node.name in cap.parameters:
                 parameters[node.name] = cap.fqn_of[node.name]
             new = graph.get_attr(node.name)

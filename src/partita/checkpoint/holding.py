@@ -1,6 +1,6 @@
 """Which of a model's tensors this rank writes into a checkpoint, and which it reads back.
 
-Every rank keeps the whole model, but its copy of a tensor is current only where the rank trains it:
+A rank's copy of a tensor is current only where the rank trains it:
 
 - a partita model with a plan: the parameters of this rank's stages (every replica of a stage, and every
   stage that reads a tied weight, holds the same value after a step, since gradients are summed over
@@ -14,8 +14,8 @@ Every rank keeps the whole model, but its copy of a tensor is current only where
 
 Each rank offers every tensor it holds current and DCP picks one writer per tensor among them, balancing
 bytes over ranks (`dedup_save_plans`): replicas share the writing instead of the first replica writing
-alone. Loading reads every tensor on every rank, because every rank keeps the whole model; `reads` is
-where a rank that keeps only its stages would name fewer.
+alone. Loading reads the tensors the rank holds (`reads`): after the first call, those of its stages; before
+it, the whole model.
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def holding_of(model: nn.Module) -> Holding:
     else:
         module, plan = model, None
     every = frozenset(module.state_dict(keep_vars=True))
+    reads = every
     if held is not None:
-        writes, trains = held.writes, held.trains
+        writes, trains, reads = held.writes, held.trains, held.reads
     elif isinstance(model, DistributedDataParallel):
         names = first_names(module)
         writes = frozenset(n for n, t in module.state_dict(keep_vars=True).items() if id(t) in names or rank == 0)
@@ -73,4 +74,4 @@ def holding_of(model: nn.Module) -> Holding:
     else:
         writes = every if rank == 0 else frozenset()
         trains = None
-    return Holding(module, rank, world, plan, writes, every, trains)
+    return Holding(module, rank, world, plan, writes, reads, trains)

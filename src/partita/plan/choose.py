@@ -319,7 +319,7 @@ def _infeasible(graph, profile, cluster, global_batch, optimizer_factor, constra
     lines = [f"no plan fits in {size(cluster.memory_per_rank)} per rank on {cluster.describe()}:"]
     if cluster.overhead_bytes >= cluster.memory_per_rank:
         lines.append(f"  the process itself already uses {size(cluster.overhead_bytes)} (libraries, device context, "
-                     "and for now a copy of the whole model on every rank): more than is available")
+                     "the inputs): more than is available")
     for layout, why in result.rejected[:4]:
         lines.append(f"  {layout.describe()}: {why}")
     _, dp_memory = _data_parallel(graph, profile, cluster, global_batch, optimizer_factor)

@@ -95,8 +95,7 @@ def explain(plan) -> str:
     lines = [head] + _table(rows)
     if any(m is not None for m in memory):
         lines.append("memory/rank = params+grads+optim + activations + buffers + process: what the process uses "
-                     "besides its stages (libraries, device context; when measured, also the whole model, which "
-                     "every rank keeps)")
+                     "besides its stages (libraries, device context, the inputs)")
         for ranks, indices in held.items():
             if len(indices) > 1:
                 names = ", ".join(map(str, indices[:-1])) + f" and {indices[-1]}"

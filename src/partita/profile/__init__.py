@@ -44,14 +44,17 @@ def device_spec(device: torch.device) -> DeviceSpec:
     return min((d for k, d in DEVICES.items() if k != "cpu"), key=lambda d: abs(d.memory_bytes - total))
 
 
-def _process_bytes(device: torch.device) -> int:
-    """What this process already uses: the measured fixed overhead (it includes the whole model, which every
-    rank keeps for now)."""
+def _process_bytes(device: torch.device, model: torch.nn.Module) -> int:
+    """What this process uses on `device` besides the model's own tensors there: the fixed overhead. The model
+    is not part of it: each rank keeps only its stages' tensors, which the plan counts with each stage."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return int(total - free)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        used = int(total - free)
+    else:
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t.device.type == device.type}
+    return max(used - sum(t.numel() * t.element_size() for t in tensors.values()), 0)
 
 
 def _agreed(flag: bool) -> bool:
@@ -96,7 +99,7 @@ def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loc
     job = _Job(rank, world, local_world_size, device, device_spec(device),
                len(os.sched_getaffinity(0)) if device.type == "cpu" else 0,
                show_progress and rank == 0 and not log.disabled and log.isEnabledFor(logging.INFO))
-    dtype = str(next((t.dtype for t in cap.tensor_of.values() if t.is_floating_point()), torch.float32))
+    dtype = str(next((t.dtype for t in cap.module.parameters() if t.is_floating_point()), torch.float32))
     blocks_key = cache.key(MEASUREMENT_VERSION, [b.signature for b in graph.blocks], profile_rows(local_batch),
                            job.spec.name, str(device.type), torch.__version__, dtype)
     links_key = cache.key(MEASUREMENT_VERSION, dist.get_backend() if dist.is_initialized() else "none", world,
@@ -117,7 +120,7 @@ def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loc
         links = _links(job, memory_per_rank, parallelize)
         if rank == 0:
             cache.store("links", links_key, json.dumps(links))
-    overhead = _process_bytes(device)
+    overhead = _process_bytes(device, cap.module)
     if rank != 0:
         return None, None
     return profile, _cluster(job, memory_per_rank, links, overhead)

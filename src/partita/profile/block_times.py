@@ -6,6 +6,11 @@ Blocks with the same signature (the layers of a transformer) are measured once. 
 blocks at the same time and rank 0 collects the results. Measuring never changes the model: gradients are
 taken with `torch.autograd.grad` (nothing accumulates into `.grad`), buffers a block writes (BatchNorm
 statistics) are restored, and the random number generators are forked.
+
+A model built on the meta device (or bigger than one device) is measured block by block, as RaNNC does: a
+meta parameter or buffer gets a stand-in of its shape (random values of the scale weights are initialized
+at) only while the operation or block that reads it runs, so that no more than one block's weights exist at
+a time. Timing needs real memory and values of the right magnitude, not the model's own values.
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch import fx
+import torch.utils._pytree as pytree
+from torch import fx, nn
 
 from partita.capture.export import CapturedGraph
 from partita.capture.split import StageGraph, split
@@ -30,6 +37,7 @@ REPEATS = 5  # timed samples per measurement; the median is kept
 COLD_REPEATS = 15  # single calls timed after evicting the cache: noisier, so more of them
 ROUNDS = 3  # passes over all measurements, interleaved; the median of each is kept
 SAMPLE_S = 2e-3  # a sample repeats the call until it lasts this long: a sub-millisecond call timed once is noise
+STAND_IN_SCALE = 0.02  # the spread of a stand-in weight: about what weights are initialized at
 
 
 def profile_rows(local_batch: int) -> tuple[int, int]:
@@ -47,6 +55,39 @@ def _block_module(cap: CapturedGraph, graph: ModelGraph, block: Block):
     return split(cap, stage_of_unit, num_stages)[before]
 
 
+def stand_in(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A real tensor shaped like the meta tensor `t`, on `device`: small random values (zeros for integers),
+    drawn from a generator of its own, so that measuring leaves the random stream where it was."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return torch.zeros(t.shape, dtype=t.dtype, device=device)
+    values = torch.empty(t.shape, dtype=t.dtype, device=device)
+    return values.uniform_(-STAND_IN_SCALE, STAND_IN_SCALE, generator=torch.Generator(device).manual_seed(0))
+
+
+def _real(value, device: torch.device):
+    """`value` (any structure of tensors) with a stand-in for each meta tensor."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: stand_in(t, device) if t.is_meta else t, value)
+
+
+@contextmanager
+def _standing_in(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """`module`'s meta parameters and buffers replaced by stand-ins for the duration of the block."""
+    meta = [(name, t) for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    for name, t in meta:
+        value = stand_in(t, device)
+        _set_attr(module, name, nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value)
+    try:
+        yield
+    finally:
+        for name, t in meta:
+            _set_attr(module, name, t)
+
+
+def _set_attr(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(module.get_submodule(owner), attr, value)
+
+
 def _tiled(t: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
     """`rows` rows made of `t`'s own rows, repeated as often as needed: real values at any micro-batch size."""
     repeats = -(-rows // t.shape[0])
@@ -61,9 +102,10 @@ class _InputTaker(fx.Interpreter):
     """Runs the captured graph and copies each wanted block's inputs just before the block's first op: the
     values a pipeline stage starting there would receive (after any in-place write by an earlier op)."""
 
-    def __init__(self, cap: CapturedGraph, inputs_at: dict[str, list[str]]):
+    def __init__(self, cap: CapturedGraph, inputs_at: dict[str, list[str]], device: torch.device):
         super().__init__(cap.gm)
         self.cap = cap
+        self.device = device
         self.inputs_at = inputs_at  # first node of a block -> the names of the values it reads
         self.taken: dict[str, list[torch.Tensor]] = {}
         # the interpreter frees a value after its last reader, but a block may take a value it never reads (a
@@ -78,6 +120,10 @@ class _InputTaker(fx.Interpreter):
             if len(self.taken) == len(self.inputs_at):
                 raise _Enough
         return super().run_node(n)
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node):
+        # a meta weight exists only while the operation that reads it runs
+        return _real(super().fetch_args_kwargs_from_env(n), self.device)
 
     def _copy(self, name: str) -> torch.Tensor:
         value = torch.clone(self.env[self.cap.node(name)].detach(), memory_format=torch.contiguous_format)
@@ -99,12 +145,12 @@ def block_inputs(cap: CapturedGraph, inputs_at: dict[str, list[str]], rows: int,
         if node.op != "placeholder":
             continue
         if node.name in cap.parameters:
-            args.append(cap.tensor_of[node.name])
-        elif node.name in cap.tensor_of:
-            args.append(cap.tensor_of[node.name].detach().clone())
+            args.append(cap.tensor(node.name))
+        elif cap.holds(node.name):
+            args.append(cap.tensor(node.name).detach().clone())
         else:
             args.append(_tiled(next(examples), rows, device))
-    taker = _InputTaker(cap, inputs_at)
+    taker = _InputTaker(cap, inputs_at, device)
     with torch.no_grad():
         try:
             taker.run(*args)
@@ -186,7 +232,8 @@ def measure_block(cap: CapturedGraph, graph: ModelGraph, block: Block, rows: int
     """(forward seconds, backward seconds, bytes kept for the backward) of one block at `rows` rows."""
     stage = _block_module(cap, graph, block)
     inputs = block_inputs(cap, {block.first_node: stage.inputs}, rows, device)[block.first_node]
-    return _measure_stage(stage, inputs, device, launch_s)
+    with _standing_in(stage.module, device):
+        return _measure_stage(stage, inputs, device, launch_s)
 
 
 def _measure_stage(stage: StageGraph, inputs: list[torch.Tensor], device: torch.device,
@@ -287,9 +334,10 @@ def _measure_share(cap: CapturedGraph, graph: ModelGraph, first_of: dict[str, Bl
     started = time.perf_counter()
     for round_ in range(ROUNDS):
         for i, sig in enumerate(mine):
-            for rows in (r1, r2):
-                samples.setdefault((sig, rows), []).append(_measure_stage(
-                    stages[sig], inputs[rows][first_of[sig].first_node], device, launch))
+            with _standing_in(stages[sig].module, device):
+                for rows in (r1, r2):
+                    samples.setdefault((sig, rows), []).append(_measure_stage(
+                        stages[sig], inputs[rows][first_of[sig].first_node], device, launch))
             if show_progress:
                 _progress(round_ * len(mine) + i + 1, ROUNDS * len(mine), turns, started - set_up,
                           time.perf_counter() - started)

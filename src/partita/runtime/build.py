@@ -1,7 +1,9 @@
 """`build_runtime`: this rank's part of the model under a plan, applied in one place and a fixed order.
 
-1. every rank starts from rank 0's weights, whatever each rank's seed was (as DDP does);
-2. ownership: the stage of every operation, the parameters of every stage, the owner of every tensor;
+1. ownership: the stage of every operation, the parameters of every stage, the owner of every tensor;
+2. materialization: this rank keeps only the tensors of its stages, on its device, with their initial values:
+   rank 0's (as DDP does, whatever each rank's seed was), initialized from the meta device, or read from
+   `weights`; every other tensor is freed;
 3. the pipeline split: the stages this rank runs, their process groups and gradient groups, and the
    optimizer's state kept where its parameters train; or, for one stage and one micro-batch, the whole
    module under torch's DistributedDataParallel.
@@ -20,19 +22,22 @@ from partita.graph import ModelGraph
 from partita.plan.plan import Plan
 from partita.runtime.batch import Call, Loss
 from partita.runtime.data_parallel import DataParallel
-from partita.runtime.ownership import ownership
+from partita.runtime.materialize import Initial, materialize
+from partita.runtime.ownership import named_state, ownership
 from partita.runtime.pipeline_parallel import PipelineParallel
 from partita.runtime.run import Runtime
-from partita.runtime.state import broadcast_tensors
 
 
 def build_runtime(module: nn.Module, cap: CapturedGraph, graph: ModelGraph, plan: Plan, first_call: Call, *,
                   loss: Loss | None, optimizer: torch.optim.Optimizer | None, rank: int, world_size: int,
-                  device: torch.device) -> Runtime:
+                  device: torch.device, initial: Initial = Initial()) -> Runtime:
     """Collective: every rank calls it with the same plan, at its first call (`first_call`)."""
-    broadcast_tensors(list(module.state_dict(keep_vars=True).values()), device)
     owners = ownership(module, cap, graph, plan)
-    if plan.num_stages == 1 and plan.micro_batches == 1:
+    data_parallel = plan.num_stages == 1 and plan.micro_batches == 1
+    # torch's DDP wants every parameter on every rank
+    keep = set(named_state(module)) if data_parallel else owners.kept_by(rank, module)
+    materialize(module, optimizer, keep, device=device, initial=initial)
+    if data_parallel:
         runtime = DataParallel(module, cap, plan, owners, loss=loss, rank=rank, world_size=world_size,
                                device=device)
         runtime.settle_buckets(first_call)

@@ -18,7 +18,7 @@ from torch import nn
 from partita.plan.plan import Plan
 from partita.runtime.batch import Call
 from partita.runtime.ownership import Ownership
-from partita.runtime.state import broadcast_from_owners
+from partita.runtime.state import broadcast_from_owners, landing
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class Held:
 
     writes: frozenset[str]  # state_dict names this rank's copy is current for
     trains: frozenset[str]  # parameters (by their first name) whose optimizer state lives on this rank
+    reads: frozenset[str]  # state_dict names this rank holds (the others are meta here)
 
 
 def first_names(module: nn.Module) -> dict[int, str]:
@@ -81,7 +82,8 @@ class Runtime:
         named = self.module.state_dict(keep_vars=True)
         writes = frozenset(n for n, t in named.items() if id(t) in local or self.owner_of(n) == self.rank)
         names = first_names(self.module)
-        return Held(writes, frozenset(names[i] for i in local))
+        reads = frozenset(n for n, t in named.items() if isinstance(t, torch.Tensor) and not t.is_meta)
+        return Held(writes, frozenset(names[i] for i in local), reads)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state under its original names, the same on every rank."""
@@ -101,9 +103,11 @@ class Runtime:
         dist.broadcast(flag, src=owner)
         if flag.item() == 0:
             return None
-        value = (t.detach().clone() if t is not None else torch.empty_like(p)).to(self.device)
+        # only the owner's copy holds the value: the others may hold this parameter as meta
+        value = (t.detach().to(self.device, copy=True) if owner == self.rank
+                 else torch.empty(p.shape, dtype=p.dtype, device=self.device))
         dist.broadcast(value, src=owner)
-        return value.to(p.device)
+        return value.to(landing(p))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their norm over the whole model (each parameter counted once, on its owner)."""

@@ -1,7 +1,8 @@
 """Whole-model views on every rank: parameters, buffers and optimizer state, gathered from their owners.
 
-Every rank keeps the full model, but only the stages it runs are trained on it; the owner of a tensor is
-the lowest rank that runs a stage reading it (every holder has the same value after a step).
+A rank holds only the tensors of the stages it runs (the others are meta on it); the owner of a tensor is
+the lowest rank that runs a stage reading it (every holder has the same value after a step). A tensor this
+rank does not hold arrives in host memory.
 """
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ def broadcast_from_owners(named: list[tuple[str, torch.Tensor]], owner: dict[str
             buffer = torch.empty(sum(s.padded_nbytes for s in specs), dtype=torch.uint8, device=device)
         dist.broadcast(buffer, src=src)
         for n, t in zip(names, unpack(buffer, specs)):
-            out[n] = t.to(out[n].device).clone()
+            out[n] = t.to(landing(out[n])).clone()
     return out
+
+
+def landing(t: torch.Tensor) -> torch.device:
+    """Where a copy of `t` taken from another rank goes: next to this rank's own copy, or to host memory."""
+    return torch.device("cpu") if t.is_meta else t.device
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], device: torch.device, src: int = 0,

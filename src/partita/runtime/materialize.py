@@ -1,0 +1,319 @@
+"""Each rank holds only the weights of its own stages, whichever way the model came.
+
+- Built on the CPU (RaNNC's way): every rank takes rank 0's values (as DDP does, whatever each rank's seed
+  was), keeps the tensors its stages read, on its device, and frees the rest. Rank 0's values go out in
+  buckets, so that no rank ever holds a second copy of the model.
+- Built on the meta device (no memory at all): every rank replays rank 0's random stream, as it was when
+  `parallelize` was called, through each module's initialization, so that the values are those the model
+  built on the CPU in one process would have had. A module's tensors exist only while it is initialized;
+  what the rank does not keep is dropped at once. The random stream is then put back where it was.
+- With `weights=`: each rank reads only the tensors it keeps from the file; the tensors a file does not hold
+  (buffers that are not in a state dict) come from the model as above.
+
+A tensor is kept or freed as an object: every module that holds it (tied weights), the optimizer's parameter
+groups and its state are pointed at the new object, so no reference to a freed tensor is left behind and the
+optimizer the user built (on meta parameters, perhaps) steps the materialized ones. A freed tensor becomes a
+meta tensor of the same shape: names, shapes and `state_dict()` keys stay whole on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partita.errors import ModelError
+from partita.runtime import agreement
+from partita.runtime.ownership import named_state
+from partita.runtime.route import TensorSpec, pack, unpack
+
+InitFn = Callable[[nn.Module], None]
+
+# rank 0's weights are broadcast in pieces of about this size: the most any rank holds beyond its own part
+BROADCAST_BUCKET_BYTES = 64 * 2**20
+_SHOWN = 5
+
+
+class WeightReader(Protocol):
+    """Tensors by the model's state_dict names, read from a file (`checkpoint.weights.ModelWeights`)."""
+
+    def names(self) -> frozenset[str]:
+        """The model's state_dict names whose values the file holds."""
+        ...
+
+    def read(self, names: list[str], device: torch.device) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class Initial:
+    """Where a model's initial values come from, besides the tensors it holds."""
+
+    init_fn: InitFn | None = None  # applied to every module with meta tensors, as model.apply(init_fn) would
+    weights: WeightReader | None = None
+    # the CPU random generator's state when parallelize was called: a meta model is initialized from rank 0's
+    random_state: torch.Tensor | None = field(default=None, repr=False)
+
+
+def initial_of(module: nn.Module, init_fn: InitFn | None, weights: WeightReader | None) -> Initial:
+    """Called by parallelize, right after the user built the model: the random stream that building it on the
+    CPU would have consumed next."""
+    meta = any(t.is_meta for t in _tensors(module))
+    return Initial(init_fn, weights, torch.get_rng_state() if meta else None)
+
+
+@dataclass(eq=False)
+class _Place:
+    """One tensor of the model and every name it has (several when tied), in module order."""
+
+    tensor: torch.Tensor
+    names: list[str]
+    value: torch.Tensor | None = None  # its initial value on this rank, when kept
+
+
+def materialize(module: nn.Module, optimizer: torch.optim.Optimizer | None, keep: set[str], *,
+                device: torch.device, initial: Initial = Initial()) -> None:
+    """Make this rank hold exactly the tensors named in `keep` (state_dict names, every alias of a tied
+    weight), on `device`, with their initial values; every other tensor becomes meta. Collective (every rank
+    calls it, with its own `keep`)."""
+    places = _places(module)
+    _agree_on_meta(places)
+    kept = [p for p in places if keep.intersection(p.names)]
+    in_file = initial.weights.names() if initial.weights is not None else frozenset()
+    from_file = [p for p in kept if in_file.intersection(p.names)]
+    rest = [p for p in places if not in_file.intersection(p.names)]
+    if from_file:
+        with agreement.together("reading weights="):
+            values = initial.weights.read([next(n for n in p.names if n in in_file) for p in from_file], device)
+        for p, value in zip(from_file, values.values()):
+            p.value = value
+    _broadcast_kept([p for p in rest if not p.tensor.is_meta], keep, device)
+    meta = [p for p in rest if p.tensor.is_meta]
+    if meta:
+        _initialize(module, meta, keep, initial)
+    replaced = {}
+    for p in places:
+        t = _placed(p, p in kept, device)
+        _set(module, p.names, t)
+        if t is not p.tensor:
+            replaced[id(p.tensor)] = t
+    _repoint(optimizer, replaced)
+
+
+def check_devices(module: nn.Module, device: torch.device) -> None:
+    """A model whose tensors are on another rank's GPU is an error: moving them would copy them silently."""
+    elsewhere = sorted({str(t.device) for t in _tensors(module)
+                        if t.device.type not in ("cpu", "meta") and t.device != device})
+    if elsewhere:
+        raise ModelError(f"the model has tensors on {', '.join(elsewhere)}, but this rank computes on {device}. "
+                         "Build the model on the CPU or on the meta device on every rank (partita moves each "
+                         "rank's part to its device), or on this rank's own device.")
+
+
+# ---- what holds each tensor ------------------------------------------------------------------------------
+
+def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def _places(module: nn.Module) -> list[_Place]:
+    out: dict[int, _Place] = {}
+    for name, t in named_state(module).items():
+        out.setdefault(id(t), _Place(t, [])).names.append(name)
+    return list(out.values())
+
+
+def _agree_on_meta(places: list[_Place]) -> None:
+    """Every rank must bring the model the same way: a rank that initializes while another broadcasts would
+    wait forever."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    n = sum(p.tensor.is_meta for p in places)
+    extremes = torch.tensor([n, -n], dtype=torch.int64)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    most, fewest = int(extremes[0]), -int(extremes[1])
+    if most != fewest:
+        raise ModelError(f"the ranks built the model differently: {fewest} of its tensors are on the meta device "
+                         f"on one rank and {most} on another (this one: {n}). Build it the same way on every rank "
+                         "(all on the CPU, or all under torch.device('meta')).")
+
+
+def _set(module: nn.Module, names: list[str], value: torch.Tensor) -> None:
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(owner), attr, value)
+
+
+def _like(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """`data` as what `t` is: a Parameter (with t's requires_grad) if `t` is one."""
+    return nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+
+
+def _placed(p: _Place, kept: bool, device: torch.device) -> torch.Tensor:
+    """The tensor this rank holds for `p`: the original object where it can stay (kept, on `device`, written
+    in place), else a new one on `device`, or meta when not kept."""
+    t = p.tensor
+    if not kept:
+        return t if t.is_meta else _like(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+    value = p.value if p.value is not None else t
+    if t.is_meta or t.device != device:
+        return _like(t, value.detach().to(device=device, dtype=t.dtype))
+    if value is not t:
+        with torch.no_grad():
+            t.copy_(value)
+    return t
+
+
+def _repoint(optimizer: torch.optim.Optimizer | None, replaced: dict[int, torch.Tensor]) -> None:
+    """The optimizer steps the new tensors: its parameter groups and state follow the modules."""
+    if optimizer is None or not replaced:
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    for p in [p for p in optimizer.state if id(p) in replaced]:
+        state, new = optimizer.state.pop(p), replaced[id(p)]
+        if not new.is_meta:
+            optimizer.state[new] = {k: v.to(new.device) if isinstance(v, torch.Tensor) and v.dim() else v
+                                    for k, v in state.items()}
+
+
+# ---- values: rank 0's, or initialized -------------------------------------------------------------------------
+
+def _broadcast_kept(places: list[_Place], keep: set[str], device: torch.device) -> None:
+    """Rank 0's values of `places`, bucket by bucket; each rank takes the ones it keeps."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not places:
+        return
+    for bucket in _buckets(places):
+        specs = [TensorSpec.of(p.tensor) for p in bucket]
+        if dist.get_rank() == 0:
+            buffer = pack([p.tensor for p in bucket], device)
+        else:
+            buffer = torch.empty(sum(s.padded_nbytes for s in specs), dtype=torch.uint8, device=device)
+        dist.broadcast(buffer, src=0)
+        for p, value in zip(bucket, unpack(buffer, specs)):
+            if keep.intersection(p.names):
+                p.value = value.clone()
+
+
+def _buckets(places: list[_Place]) -> Iterable[list[_Place]]:
+    bucket, size = [], 0
+    for p in places:
+        bucket.append(p)
+        size += TensorSpec.of(p.tensor).padded_nbytes
+        if size >= BROADCAST_BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _initialize(module: nn.Module, meta: list[_Place], keep: set[str], initial: Initial) -> None:
+    """Give the meta tensors the values building the model on the CPU would have: on rank 0's random stream
+    as it was when parallelize was called, each module's reset_parameters() in module order (parents before
+    children, the order they are built in), then `init_fn` on each module as model.apply(init_fn) runs it
+    (children before parents). A tied weight takes the reset_parameters() of the first module that holds
+    it; the later ones run on scratch copies, as building them did before they were tied.
+
+    Every rank runs every initialization, kept or not, so that its stream stays where rank 0's is, and checks
+    every tensor, so that all raise the same error; a tensor lives only until its last initialization, unless
+    the rank keeps it. Values are computed on the CPU, where the random stream is the same on every machine,
+    and moved to the device afterwards."""
+    placed = {id(p.tensor): p for p in meta}
+    own = {m: [(attr, t) for attr, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+               if id(t) in placed] for m in module.modules()}
+    to_init = [m for m in own if own[m]]
+    _check_initializable(module, to_init, initial.init_fn)
+    first_holder: dict[int, nn.Module] = {}
+    for m in to_init:
+        for _, t in own[m]:
+            first_holder.setdefault(id(t), m)
+    # (module, its initialization, the tensors whose values it writes)
+    steps = [(m, type(m).reset_parameters, {id(t) for _, t in own[m] if first_holder[id(t)] is m})
+             for m in to_init if callable(getattr(m, "reset_parameters", None))]
+    if initial.init_fn is not None:
+        steps += [(m, initial.init_fn, {id(t) for _, t in own[m]}) for m in reversed(to_init)]
+    last = {i: k for k, (_, _, writes) in enumerate(steps) for i in writes}
+    unset: list[str] = []
+    saved = torch.get_rng_state()
+    torch.set_rng_state(_rank0_random_state(initial.random_state))
+    try:
+        for k, (m, init, writes) in enumerate(steps):
+            _run_init(m, own[m], placed, init, writes)
+            for p in (placed[i] for i in writes if last[i] == k):
+                if _is_unset(p.value):
+                    unset.append(p.names[0])
+                if not keep.intersection(p.names):
+                    p.value = None
+    finally:
+        torch.set_rng_state(saved)
+    if unset:
+        raise ModelError(f"the model is on the meta device, and nothing initialized {len(unset)} of its tensors: "
+                         f"{', '.join(unset[:_SHOWN])}{' ...' if len(unset) > _SHOWN else ''} (no reset_parameters() "
+                         "of their modules sets them, and no init_fn given does). Pass init_fn= to parallelize (a "
+                         "function that sets them, e.g. a Hugging Face model's _init_weights), or load them with "
+                         "weights=.")
+
+
+def _run_init(m: nn.Module, tensors: list[tuple[str, torch.Tensor]], placed: dict[int, _Place], init: InitFn,
+              writes: set[int]) -> None:
+    """Run `init` on module `m` with its meta tensors made real on the CPU: those it `writes` hold their value
+    so far (first: an unset value, so that a tensor no initialization writes is found), the others scratch."""
+    for attr, t in tensors:
+        if id(t) not in writes:
+            setattr(m, attr, _like(t, torch.empty(t.shape, dtype=t.dtype)))
+            continue
+        p = placed[id(t)]
+        if p.value is None:
+            p.value = _unset(t)
+        setattr(m, attr, _like(t, p.value))
+    with torch.no_grad():
+        init(m)
+    for attr, t in tensors:
+        if id(t) in writes:
+            # the module may have replaced the tensor instead of writing into it
+            placed[id(t)].value = getattr(m, attr).detach()
+        setattr(m, attr, t)
+
+
+def _unset(t: torch.Tensor) -> torch.Tensor:
+    """A value no initialization writes: NaN, or the lowest integer."""
+    if t.is_floating_point() or t.is_complex():
+        return torch.full(t.shape, float("nan"), dtype=t.dtype)
+    if t.dtype == torch.bool:
+        return torch.zeros(t.shape, dtype=t.dtype)
+    return torch.full(t.shape, torch.iinfo(t.dtype).min, dtype=t.dtype)
+
+
+def _is_unset(value: torch.Tensor) -> bool:
+    if not value.numel() or value.dtype == torch.bool:
+        return False
+    if value.is_floating_point() or value.is_complex():
+        return bool(value.isnan().all())
+    return bool((value == torch.iinfo(value.dtype).min).all())
+
+
+def _check_initializable(module: nn.Module, to_init: list[nn.Module], init_fn: InitFn | None) -> None:
+    if init_fn is not None:
+        return
+    ids = {id(m) for m in to_init}
+    cannot = [name for name, m in module.named_modules() if id(m) in ids
+              and not callable(getattr(m, "reset_parameters", None))]
+    if cannot:
+        shown = ", ".join(f"'{n or '(the model)'}' ({type(module.get_submodule(n)).__name__})" for n in cannot[:_SHOWN])
+        raise ModelError(f"the model is on the meta device, and {len(cannot)} of its modules with parameters or "
+                         f"buffers have no reset_parameters() to initialize them: {shown}"
+                         f"{' ...' if len(cannot) > _SHOWN else ''}. Pass init_fn= to parallelize (a function "
+                         "applied to each module, e.g. a Hugging Face model's _init_weights), or give those "
+                         "modules a reset_parameters().")
+
+
+def _rank0_random_state(mine: torch.Tensor | None) -> torch.Tensor:
+    """Rank 0's random state when parallelize was called (this rank's own where there is no other)."""
+    state = [mine if mine is not None else torch.get_rng_state()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(state, src=0)
+    return state[0]
