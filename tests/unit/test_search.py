@@ -12,7 +12,7 @@ from partita.graph import Block, BlockCost, Fit, ModelGraph, Profile
 from partita.plan.bounds import gpipe, layout_bound
 from partita.plan.cost import CostModel, Layout
 from partita.plan.search import Constraints, PartitionSearch, evaluate, layouts, search
-from partita.schedule import orders
+from partita.schedule import check_sizes, orders
 from partita.sim import StageCosts, simulate
 
 
@@ -97,6 +97,49 @@ def test_looped_layouts_agree_with_brute_force_on_three_ranks_per_pipeline(seed)
                 assert got.step_s == pytest.approx(want, rel=1e-12, abs=0), layout
                 checked += 1
     assert checked >= 2
+
+
+def test_looped_layouts_agree_with_brute_force_on_four_ranks_per_pipeline():
+    """With four ranks per pipeline, the ranks in the middle are bounded by simulating the chosen ones (see
+    test_simulated_makespan_only_grows_with_each_duration)."""
+    rng = random.Random(400)
+    checked = 0
+    for _ in range(3):
+        graph, profile, cluster, batch, factor = instance(rng, blocks=(9, 9), worlds=(4,))
+        for schedule in ("Interleaved1F1B", "LoopedBFS"):
+            layout = max(layouts(graph, cluster, batch, Constraints(schedule=schedule, stages=8)),
+                         key=lambda lay: lay.micro_batches)  # the most micro-batches: the most waiting
+            model = CostModel(graph, profile, cluster, factor, layout)
+            want = brute_force_layout(model)
+            got = PartitionSearch(model, budget=10**7).run()
+            assert (got is None) == (want is None), (layout, got, want)
+            if got is not None:
+                assert got.step_s == pytest.approx(want, rel=1e-12, abs=0), layout
+                checked += 1
+    assert checked >= 2
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble"])
+def test_simulated_makespan_only_grows_with_each_duration(schedule):
+    """The search bounds a partial plan by simulating it with the stages not chosen yet at their least
+    durations: sound because the makespan is the longest path through a graph that the orders fix."""
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(60):
+        p, m = rng.randint(1, 4), rng.randint(1, 8)
+        s = p * (1 if schedule == "1F1B" else 2)
+        try:
+            check_sizes(schedule, s, p, m)
+        except ValueError:
+            continue
+        costs = random_stage_costs(rng, s)
+        shrink = lambda values: [v * rng.choice([0.0, rng.random(), 1.0]) for v in values]  # noqa: E731
+        less = StageCosts(shrink(costs.forward_s), shrink(costs.backward_s), shrink(costs.send_activations_s),
+                          shrink(costs.send_gradients_s))
+        order = orders(schedule, s, p, m)
+        assert simulate(order, less).makespan_s <= simulate(order, costs).makespan_s * (1 + 1e-12)
+        checked += 1
+    assert checked >= 20
 
 
 @pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"])

@@ -15,6 +15,10 @@ checked against brute force and the simulator in tests/unit/test_search.py):
 - GPipe's makespan is sum(f) + sum(b) + transfers + (M-1)(max f + max b), exactly: each phase is a flow
   shop whose longest path turns once, at its slowest stage. LoopedBFS's is the same per phase, or a path
   through stages 0..r and r+P..S-1 (rank r runs all of its first stage before its second) turning in both.
+- The simulated makespan is the longest path through a graph that the schedule's orders fix, weighted by the
+  durations (an action starts when its rank is free and its input has arrived): it only grows with each
+  duration. So a partial plan simulated with every stage not yet chosen at the least it can take (its
+  smallest block, no transfers) bounds every completion.
 Blocks not yet placed (`Remainder`) cost at least, whatever stages they are split into: their compute, two
 action overheads per stage, the gradient traffic of the parameters they use, the cheapest transfers between
 their stages, the forwards that memory forces them to recompute; one of the stages holds their largest
@@ -63,9 +67,13 @@ class Remainder:
                                for i, (a, o, f) in enumerate(zip(acts, own, block_fwd))),
                               key=lambda b: (b[2] / b[0] if b[0] else math.inf, b[3]))
         # one stage holds the largest block: its forward, its backward with its parameters' gradient traffic
-        self._max_fwd = _RangeMax(block_fwd)
-        self._max_bwd = _RangeMax([b + model.gradient_traffic_s(p) * stretch for b, p in zip(block_bwd, block_bytes)])
-        self._max_bytes = _RangeMax(block_bytes)
+        block_bwd_traffic = [b + model.gradient_traffic_s(p) * stretch for b, p in zip(block_bwd, block_bytes)]
+        self._max_fwd = _RangeBest(block_fwd, max)
+        self._max_bwd = _RangeBest(block_bwd_traffic, max)
+        self._max_bytes = _RangeBest(block_bytes, max)
+        # every stage holds at least one block: its forward and backward are at least the smallest block's
+        self._min_fwd = _RangeBest(block_fwd, min)
+        self._min_bwd = _RangeBest(block_bwd_traffic, min)
         self._send = _suffix_min(self._cut_send_floor())
         self._stretch = stretch
         # the all-reduce differs between stages only by how many ranks and nodes sum it
@@ -118,6 +126,15 @@ class Remainder:
         total = self.bwd(start, stages, stop) - stages * self.model.action_s
         return max(total / stages, self._max_bwd(start, stop),
                    self._least_window(start, stop, stages, True)) + self.model.action_s
+
+    def least_fwd(self, start: int, stop: int) -> float:
+        """The least forward of any one stage of blocks in [start, stop) (per micro-batch)."""
+        return self._min_fwd(start, stop) + self.model.action_s
+
+    def least_bwd(self, start: int, stop: int) -> float:
+        """The least backward of any one stage of blocks in [start, stop): its smallest block's, with the
+        gradient traffic of that block's parameters (the stage uses them all)."""
+        return self._min_bwd(start, stop) + self.model.action_s
 
     def _least_window(self, start: int, stop: int, stages: int, backward: bool) -> float:
         key = (start, stop, stages, backward)
@@ -294,15 +311,17 @@ def _suffix_sums(values: list[float]) -> list[float]:
     return out
 
 
-class _RangeMax:
-    """The largest of values[start:stop] in constant time (a sparse table); 0 for an empty range."""
+class _RangeBest:
+    """The largest (best=max) or smallest (best=min) of values[start:stop] in constant time (a sparse table);
+    0 for an empty range."""
 
-    def __init__(self, values: list[float]):
+    def __init__(self, values: list[float], best):
+        self._best = best
         self._levels = [list(values)]
         width = 1
         while 2 * width <= len(values):
             below = self._levels[-1]
-            self._levels.append([max(below[i], below[i + width]) for i in range(len(below) - width)])
+            self._levels.append([best(below[i], below[i + width]) for i in range(len(below) - width)])
             width *= 2
 
     def __call__(self, start: int, stop: int) -> float:
@@ -310,7 +329,7 @@ class _RangeMax:
             return 0.0
         level = (stop - start).bit_length() - 1
         row = self._levels[level]
-        return max(row[start], row[stop - (1 << level)])
+        return self._best(row[start], row[stop - (1 << level)])
 
 
 def _suffix_min(values: list[float]) -> list[float]:

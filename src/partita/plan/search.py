@@ -11,10 +11,11 @@ Exact within that space, by branch and bound. Layouts are visited in order of a 
 time; in a layout, stage boundaries are chosen stage by stage, depth first, and a branch is cut as soon as a
 lower bound on every completion's simulated step reaches the best step found (`plan.bounds` says why the
 bounds hold: cutting never loses the optimum). Looped layouts go rank by rank instead: where the second loop
-starts, then both stages of rank 0, of rank 1, ... (a rank's two stages share its memory and its time). Two plans closer than PRUNE_TOLERANCE count as equally fast,
-so that float rounding between a bound and the simulator cannot keep the search among equal plans. A node
-budget keeps the search to seconds on huge instances; when it runs out the result says so, with the gap
-between the best plan and the lower bound.
+starts, then both stages of rank 0, of rank 1, ... (a rank's two stages share its memory and its time); from
+the second rank on, the ranks chosen are also simulated with the others at their least. Two plans closer
+than PRUNE_TOLERANCE count as equally fast, so that float rounding between a bound and the simulator cannot
+keep the search among equal plans. A node budget keeps the search to seconds on huge instances; when it runs
+out the result says so, with the gap between the best plan and the lower bound.
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 # Nodes (a stage, or a looped layout's pair of stages, tried): per layout, so that one hard layout leaves
 # budget for the others; and for the whole search: layouts are searched best bound first, so when it runs out
 # the layouts left are the least promising ones (and their bounds go into the reported gap). A node costs
-# 20-100 us of Python; bench/search_time.py shows what instances need.
+# 20-100 us of Python (a simulation of a partial plan counts as the nodes its actions cost);
+# bench/search_time.py shows what instances need.
 NODE_BUDGET = 10_000
 SEARCH_BUDGET = 25_000
+ACTIONS_PER_NODE = 100  # a node costs about as much Python as simulating this many actions
 PRUNE_TOLERANCE = 1e-9  # relative: a plan this much faster than the best found does not count as faster
 
 
@@ -242,6 +245,8 @@ class PartitionSearch:
         # rank by rank where rank r runs stages r and r + P (not V-shaped) and every gradient goes back
         self.pairs = self.looped and self.back and all(q == s % lay.pipeline_size for s, q in enumerate(self.position))
         self.warmups = [_Warmup.of(order) for order in self.orders]
+        # a simulation costs as much time as this many nodes: it counts as many against the budget
+        self.simulation_nodes = max(1, sum(map(len, self.orders)) // ACTIONS_PER_NODE)
         self.last_stage = {p: s for s, p in enumerate(self.position)}  # per position: its last stage
         self.rest = Remainder(model)
         self.capacity = model.capacity
@@ -613,14 +618,47 @@ class PartitionSearch:
         jumps = self._looped_bfs_paths(state, step, ends)
         tails = _put(state.tails, r, state.tails[r] + self.model.tail_s(first) + self.model.tail_s(second))
         makespan = max(state.bound, later, jumps[-1], *bounds)
-        if makespan + self._pair_tail(tails, step) >= self.cutoff:
+        tail = self._pair_tail(tails, step)
+        if makespan + tail >= self.cutoff:
             return None
+        stages = _put(_put(state.stages, r, first), step.u, second)
+        if 0 < r < p - 1:
+            # with one rank chosen the simulation says little more than its rank bound; with all of them, the
+            # plan is simulated anyway
+            makespan = max(makespan, self._simulated_bound(stages, step))
+            if makespan + tail >= self.cutoff:
+                return None
         return _Pairs(
-            stages=_put(_put(state.stages, r, first), step.u, second), fwd1=state.fwd1 + first.fwd_s + first.send_fwd_s,
+            stages=stages, fwd1=state.fwd1 + first.fwd_s + first.send_fwd_s,
             bwd1=state.bwd1 + first.bwd_s + first.send_fwd_s, fwd2=state.fwd2 + second.fwd_s + second.send_fwd_s,
             bwd2=state.bwd2 + second.bwd_s + second.send_fwd_s, max_fwd=max(state.max_fwd, first.fwd_s, second.fwd_s),
             max_bwd=max(state.max_bwd, first.bwd_s, second.bwd_s), max_fwd1=jumps[0], max_bwd1=jumps[1],
             jump_f=jumps[2], jump_b=jumps[3], tails=tails, bound=makespan)
+
+    def _simulated_bound(self, stages: tuple[StageCost | None, ...], step: "_Step") -> float:
+        """The simulated makespan with every stage not chosen yet at the least it can take (its loop's smallest
+        block left, no transfers). The simulator's makespan is the longest path through a graph that the
+        schedule's orders fix, weighted by the durations: it only grows with each of them, so every
+        completion takes at least this. It sees what the other bounds miss: how the chosen ranks wait on each
+        other when their two stages differ in size."""
+        rest, p, n = self.rest, self.model.layout.pipeline_size, self.model.num_blocks
+        self.nodes += self.simulation_nodes
+        least = ((rest.least_fwd(step.e, step.x), rest.least_bwd(step.e, step.x)),
+                 (rest.least_fwd(step.g, n), rest.least_bwd(step.g, n)))
+        fwd, bwd, send_f, send_b = [], [], [], []
+        for stage, cost in enumerate(stages):
+            if cost is None:
+                f, b = least[stage >= p]
+                fwd.append(f)
+                bwd.append(b)
+                send_f.append(0.0)
+                send_b.append(0.0)
+            else:
+                fwd.append(cost.fwd_s)
+                bwd.append(cost.bwd_s)
+                send_f.append(cost.send_fwd_s)
+                send_b.append(cost.send_bwd_s)
+        return simulate(self.orders, StageCosts(fwd, bwd, send_f, send_b)).makespan_s
 
     def _later_ranks_fit(self, step: "_Step") -> bool:
         """Whether the blocks left in both loops might fit the ranks after this one."""
