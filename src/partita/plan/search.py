@@ -622,9 +622,9 @@ class PartitionSearch:
         if makespan + tail >= self.cutoff:
             return None
         stages = _put(_put(state.stages, r, first), step.u, second)
-        if 0 < r < p - 1:
-            # with one rank chosen the simulation says little more than its rank bound; with all of them, the
-            # plan is simulated anyway
+        if step.left and (r or step.left == 1):
+            # with one rank chosen and several left the simulation says little more than its rank bound; with
+            # every rank chosen, the plan is simulated anyway
             makespan = max(makespan, self._simulated_bound(stages, step))
             if makespan + tail >= self.cutoff:
                 return None
@@ -640,9 +640,16 @@ class PartitionSearch:
         block left, no transfers). The simulator's makespan is the longest path through a graph that the
         schedule's orders fix, weighted by the durations: it only grows with each of them, so every
         completion takes at least this. It sees what the other bounds miss: how the chosen ranks wait on each
-        other when their two stages differ in size."""
-        rest, p, n = self.rest, self.model.layout.pipeline_size, self.model.num_blocks
+        other when their two stages differ in size. With one rank left, its stages are known but for their
+        recomputation: they take at least their cheapest way that fits (inf: none does)."""
+        model, rest, p, n = self.model, self.rest, self.model.layout.pipeline_size, self.model.num_blocks
         self.nodes += self.simulation_nodes
+        if step.left == 1:
+            last = (model.stage(p - 1, step.e, step.x, self.recompute),
+                    model.stage(2 * p - 1, step.g, n, self.recompute))
+            if None in last:
+                return math.inf
+            stages = _put(_put(stages, p - 1, last[0]), 2 * p - 1, last[1])
         least = ((rest.least_fwd(step.e, step.x), rest.least_bwd(step.e, step.x)),
                  (rest.least_fwd(step.g, n), rest.least_bwd(step.g, n)))
         fwd, bwd, send_f, send_b = [], [], [], []
