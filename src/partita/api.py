@@ -8,6 +8,7 @@ call: agree with the other ranks on what this call is (`runtime.agreement`), the
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -146,8 +147,11 @@ class ParallelModule(nn.Module):
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a whole-model state dict (original names) into every rank's copy."""
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Load a whole-model state dict (original names): each rank takes the tensors it holds."""
+        with warnings.catch_warnings():
+            # the tensors of other ranks' stages are meta here: not copying into them is what is meant
+            warnings.filterwarnings("ignore", message=".*to a meta parameter in the current model, which is a no-op")
+            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def get_param(self, name: str) -> torch.Tensor:
         """The current value of parameter `name` (original FQN), the same on every rank."""

@@ -1,6 +1,7 @@
 """Time and memory of one stage under one layout: the planner's cost model (pure Python).
 
-Memory of a rank = parameters + gradients + optimizer state (copies of the parameters the user's optimizer
+Memory of a rank = parameters + gradients (one copy: gradient accumulation over calls, which holds a second,
+is not planned for) + optimizer state (copies of the parameters the user's optimizer
 keeps: SGD 0, SGD with momentum 1, Adam 2) + activations kept for the backward (per micro-batch, times the
 micro-batches the schedule holds at once on that stage; with recomputation only the stage's inputs are kept,
 plus one micro-batch's activations while it is recomputed) + communication buffers (torch's PipelineStage
@@ -98,7 +99,7 @@ class CostModel:
         self._floor = lru_cache(maxsize=None)(self._compute_floor)
         self.pipelined = not layout.data_parallel_only
         # bytes of weights + gradients + optimizer state per byte of parameters
-        self.static_per_param_byte = 1 + (2 if self.pipelined else 1) + optimizer_factor
+        self.static_per_param_byte = 2 + optimizer_factor
         self.capacity = cluster.memory_per_rank - cluster.overhead_bytes
         # ranks that share cores (CPU processes) slow each other down while they compute; a pipeline's ranks
         # compute only outside its bubble, estimated here by the classic (P-1) / (M*v + P-1)
@@ -167,7 +168,9 @@ class CostModel:
         in_bytes = self._boundary[start - 1] if start > 0 else 0.0
         out_bytes = self._boundary[stop - 1] if stop < self.num_blocks and outputs else 0.0
         held = self.in_flight[stage]
-        grads = params * (2 if self.pipelined else 1)  # pipelines hold fresh gradients beside .grad until summed
+        # a pipeline's fresh gradients become .grad in place; only accumulating over calls (.grad already set)
+        # holds a second copy, which the runtime logs (runtime.grads)
+        grads = params
         buffers = ((self.layout.micro_batches * (in_bytes + out_bytes) if self.pipelined else 0)
                    + min(params, GRAD_BUCKET_BYTES))
         kept = (in_bytes * held + acts) if recompute else acts * held

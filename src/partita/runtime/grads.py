@@ -12,6 +12,7 @@ when they were produced.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 BUCKET_BYTES = 32 * 2**20
+
+log = logging.getLogger("partita")
 
 
 @dataclass
@@ -49,6 +52,7 @@ class GradSync:
     def __init__(self, groups: list[ParamGroup]):
         self.groups = groups
         self.params = [p for g in groups for p in g.params]
+        self.warned = False  # about gradient accumulation, once
 
     def stash(self) -> list[torch.Tensor | None]:
         """Set every gradient aside, so that the next backward produces only its own contribution."""
@@ -70,12 +74,23 @@ class GradSync:
         for group in self.groups:
             for bucket in _buckets(group.params):
                 self._reduce_bucket(group, bucket, fresh)
+        accumulated = 0
         for p in self.params:
-            g = fresh[id(p)]
+            g = fresh.pop(id(p))
             if g is None:
                 continue
-            g = g * scale if not (isinstance(scale, float) and scale == 1.0) else g
-            p.grad = g if p.grad is None else p.grad + g
+            if not (isinstance(scale, float) and scale == 1.0):
+                g.mul_(scale)  # the fresh gradient is partita's own: scaled in place, no second copy
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+                accumulated += g.numel() * g.element_size()
+        if accumulated and not self.warned:
+            self.warned = True
+            log.warning("partita: gradients accumulate over calls (.grad was set when the pipeline produced "
+                        "new ones): this rank held a second copy of %.1f MiB of gradients, which the plan's "
+                        "memory does not count", accumulated / 2**20)
 
     @staticmethod
     def _reduce_bucket(group: ParamGroup, bucket: list[nn.Parameter], fresh: dict) -> None:
