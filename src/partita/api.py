@@ -23,6 +23,7 @@ from partita.graph import ModelGraph
 from partita.launch import env
 from partita.plan import Constraints, Plan
 from partita.plan.choose import simulate_plan, user_loss_problem
+from partita.plan.plan import check_sharding
 from partita.planning import Planned, PlanRequest, agreed_plan
 from partita.runtime import agreement
 from partita.runtime.batch import Call, local_rows, loss_of, split_target
@@ -181,7 +182,7 @@ class ParallelModule(nn.Module):
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, loss_fn=None,
                 stages: int | None = None, replicas: int | None = None, micro_batches: int | None = None,
                 schedule: str | None = None, plan: Plan | str | Path | None = None,
-                init_fn: InitFn | None = None, weights: str | Path | None = None,
+                sharding: str | None = None, init_fn: InitFn | None = None, weights: str | Path | None = None,
                 strict: bool = True) -> ParallelModule:
     """Wrap an unmodified model so that it trains across this job's processes.
 
@@ -190,8 +191,9 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     and `loss.backward()` gives the gradients of single-process training on the global batch. Without it,
     `model(*inputs)` returns this rank's rows of the output, and gradients average over ranks as with DDP.
 
-    `stages`, `replicas`, `micro_batches` and `schedule` fix what the planner would choose; `plan` takes a
-    saved plan (a path or a Plan).
+    `stages`, `replicas`, `micro_batches`, `schedule` and `sharding` fix what the planner would choose; `plan`
+    takes a saved plan (a path or a Plan). `sharding="optimizer"` (ZeRO-1): the replicas of each stage split
+    the optimizer's state among themselves; `"none"`: each keeps all of it.
 
     Each rank keeps only the parameters and buffers of its own stages, on its device, and frees the rest. The
     model may be built on the CPU (every rank starts from rank 0's weights) or, when it is bigger than host
@@ -214,8 +216,10 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     env.init()
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize needs an nn.Module, got {type(model).__name__}")
+    if sharding is not None:
+        check_sharding(sharding)
     constraints = Constraints(stages=stages, replicas=replicas, micro_batches=micro_batches, schedule=schedule,
-                              user_loss=loss_fn is None)
+                              sharding=sharding, user_loss=loss_fn is None)
     if schedule is not None and not constraints.allows_schedule(schedule):
         raise PlanError(user_loss_problem(schedule))
     # from now on partita.shutdown() tells the other ranks when this one stops calling the model

@@ -166,7 +166,9 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
     if no_grad_batch is not None:
         side.forward_only(pm, "no_grad", no_grad_batch, training=True)
     held = sorted(n for n, t in model.state_dict(keep_vars=True).items() if not t.is_meta)
-    return {"diffs": side.diffs.result(), "losses": side.losses, "held": held, **report}
+    # the parameters whose optimizer state this rank keeps (the optimizer's own, not the gathered state_dict)
+    kept = sorted(n for n, p in model.named_parameters() if p in getattr(opt, "state", {}))
+    return {"diffs": side.diffs.result(), "losses": side.losses, "held": held, "optimizer_kept": kept, **report}
 
 
 def _other_weights(model: torch.nn.Module, path: str) -> dict[str, torch.Tensor]:

@@ -1,5 +1,7 @@
 """The planner's choices and the plan value: pure Python, no torch, no processes."""
 
+import re
+
 import pytest
 
 from partita.cluster import Cluster, DeviceSpec, Link
@@ -39,17 +41,42 @@ def test_data_parallel_when_the_model_fits():
 
 def test_pipeline_when_the_model_does_not_fit_one_device():
     graph, profile = model([1e-4] * 8, param_mb=10)
-    plan = choose_plan(graph, profile, cluster(8, 300), global_batch=64, optimizer_factor=2)  # Adam: 8 x 40 MB
+    plan = choose_plan(graph, profile, cluster(8, 300), global_batch=64, optimizer_factor=2,  # Adam: 8 x 40 MB
+                       constraints=Constraints(sharding="none"))
     assert plan.num_stages > 1
     assert any("data parallel alone does not fit" in r for r in plan.reasons)
     assert plan.estimate.peak_memory_bytes <= 300 * MB
     assert all(s.memory_bytes <= 300 * MB for s in plan.stages)
 
 
+def test_sharding_the_optimizer_state_lets_data_parallel_fit():
+    """Adam's state (2 x 80 MB) does not fit beside the weights and gradients under data parallelism; shared by
+    8 replicas (ZeRO-1) it does. The plan says which stages shard, what each replica keeps, and why."""
+    graph, profile = model([1e-4] * 8, param_mb=10)
+    with pytest.raises(PlanError):
+        choose_plan(graph, profile, cluster(8, 300), global_batch=64, optimizer_factor=2,
+                    constraints=Constraints(stages=1, sharding="none"))
+    plan = choose_plan(graph, profile, cluster(8, 300), global_batch=64, optimizer_factor=2,
+                       constraints=Constraints(stages=1))
+    (stage,) = plan.stages
+    assert stage.sharding == "optimizer"
+    assert stage.memory["optimizer"] == stage.memory["params"] * 2 // 8
+    assert any("(ZeRO-1) on stage(s) [0]" in r and "without it they do not fit" in r for r in plan.reasons)
+    assert " optimizer " in plan.explain().splitlines()[2]
+
+
+def test_sharding_fixed_by_the_caller():
+    graph, profile = model([1e-4] * 8, param_mb=10)
+    plan = choose_plan(graph, profile, cluster(8, 10**4), global_batch=64, optimizer_factor=2,
+                       constraints=Constraints(stages=2, sharding="optimizer"))
+    assert {s.sharding for s in plan.stages} == {"optimizer"}
+
+
 def test_adam_needs_more_memory_than_sgd():
     graph, profile = model([1e-4] * 8, param_mb=10)
-    adam = choose_plan(graph, profile, cluster(8, 330), global_batch=64, optimizer_factor=2)
-    sgd = choose_plan(graph, profile, cluster(8, 330), global_batch=64, optimizer_factor=0)
+    unsharded = Constraints(sharding="none")
+    adam = choose_plan(graph, profile, cluster(8, 330), global_batch=64, optimizer_factor=2, constraints=unsharded)
+    sgd = choose_plan(graph, profile, cluster(8, 330), global_batch=64, optimizer_factor=0, constraints=unsharded)
     assert adam.stages[0].memory["optimizer"] == 2 * adam.stages[0].memory["params"]
     assert sgd.stages[0].memory["optimizer"] == 0
     assert any("data parallel alone does not fit" in r for r in adam.reasons)
@@ -165,16 +192,33 @@ def test_not_a_plan():
         Plan.from_json('{"hello": 1}')
 
 
-def test_plans_written_by_version_1_still_load():
-    """Version 1 called the micro-batch count `num_microbatches`; such plans load as version 2."""
+def test_plans_written_by_earlier_versions_still_load():
+    """Version 1 called the micro-batch count `num_microbatches`; version 2 had no `sharding` per stage (it
+    sharded nothing). Both load as the current version."""
     graph, profile = model([1, 2, 3, 4])
     plan = choose_plan(graph, profile, cluster(4, 10**4), global_batch=16, optimizer_factor=0,
                        constraints=Constraints(stages=2, micro_batches=2))
-    old = plan.to_dict()
-    old["num_microbatches"] = old.pop("micro_batches")
-    old["version"] = 1
-    assert Plan.from_dict(old).validate() == plan
-    assert plan.version == 2 and plan.to_dict()["micro_batches"] == 2
+    assert plan.version == 3 and plan.to_dict()["micro_batches"] == 2
+    two = plan.to_dict()
+    two["version"] = 2
+    for stage in two["stages"]:
+        del stage["sharding"]
+    assert Plan.from_dict(two).validate() == plan
+    one = dict(two, version=1)
+    one["num_microbatches"] = one.pop("micro_batches")
+    assert Plan.from_dict(one).validate() == plan
+
+
+@pytest.mark.parametrize("level,problem", [("zero", "unknown sharding 'zero'"),
+                                           ("parameters", "sharding='parameters' (ZeRO-3) is not in this")])
+def test_sharding_a_plan_cannot_run_is_refused(level, problem):
+    graph, profile = model([1, 2, 3, 4])
+    plan = choose_plan(graph, profile, cluster(4, 10**4), global_batch=16, optimizer_factor=0,
+                       constraints=Constraints(stages=2, micro_batches=2))
+    data = plan.to_dict()
+    data["stages"][0]["sharding"] = level
+    with pytest.raises(PlanError, match=re.escape(problem)):
+        Plan.from_dict(data).validate()
 
 
 def test_without_loss_fn_only_schedules_that_finish_every_forward_first():
@@ -204,7 +248,8 @@ def test_a_pipeline_of_one_micro_batch_says_why():
     """Fixed costs per call make small micro-batches slow: the plan pipelines one micro-batch, and its reasons
     give the simulated step of the same stages split into more micro-batches, and why it is slower."""
     graph, profile = model([1e-4] * 8, param_mb=10, call_s=5e-3)
-    plan = choose_plan(graph, profile, cluster(8, 300), global_batch=64, optimizer_factor=2)
+    plan = choose_plan(graph, profile, cluster(8, 300), global_batch=64, optimizer_factor=2,
+                       constraints=Constraints(sharding="none"))  # sharded, data parallelism alone would fit
     assert plan.num_stages > 1 and plan.micro_batches == 1
     [why] = [r for r in plan.reasons if r.startswith("one micro-batch:")]
     assert "the fastest split of the same stages into more, 2 micro-batches of 8 rows" in why

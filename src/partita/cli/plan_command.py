@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from partita.errors import PartitaError
+from partita.plan.plan import RUNNABLE_SHARDING
 
 OPTIMIZERS = {"sgd": 0.0, "sgd-momentum": 1.0, "adagrad": 1.0, "rmsprop": 1.0, "adam": 2.0, "adamw": 2.0}
 
@@ -35,6 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--replicas", type=int)
     p.add_argument("--micro-batches", type=int)
     p.add_argument("--schedule")
+    p.add_argument("--sharding", choices=RUNNABLE_SHARDING,
+                   help="what each stage's replicas split among themselves (default: the planner's choice)")
     p.add_argument("--out", help="write the plan as JSON here (and a timeline picture next to it)")
     p.add_argument("--timeline", help="write a picture of one simulated step here (.png or .svg)")
     p.set_defaults(func=run)
@@ -60,7 +63,8 @@ def run(args) -> int:
         factor = OPTIMIZERS[args.optimizer]
         plan = choose_plan(graph, profile, cluster, global_batch=args.batch, optimizer_factor=factor,
                            constraints=Constraints(stages=args.stages, replicas=args.replicas,
-                                                   micro_batches=args.micro_batches, schedule=args.schedule))
+                                                   micro_batches=args.micro_batches, schedule=args.schedule,
+                                                   sharding=args.sharding))
         planned = time.perf_counter()
     except PartitaError as e:
         print(f"partita plan: {e}", file=sys.stderr)

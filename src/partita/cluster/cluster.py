@@ -128,5 +128,10 @@ class Cluster:
         link = self.device.inter_node if len(nodes) > 1 else self.device.intra_node
         return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth_bps
 
+    def allgather_s(self, nbytes: float, ranks: tuple[int, ...] | list[int]) -> float:
+        """Seconds for every rank of `ranks` to get every other's share of `nbytes`: a ring all-gather, the
+        second half of a ring all-reduce."""
+        return self.allreduce_s(nbytes, ranks) / 2
+
     def describe(self) -> str:
         return f"{self.num_nodes} x {self.devices_per_node} x {self.device.name}"

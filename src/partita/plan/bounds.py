@@ -201,9 +201,9 @@ class Remainder:
         """The least tail of a stage whose parameters take `param_bytes`."""
         model = self.model
         if model.layout.data_parallel_only:
-            return model.optimizer_s(param_bytes)  # DDP overlaps its all-reduce with the backward
+            return model.least_step_s(param_bytes)  # DDP overlaps its all-reduce with the backward
         allreduce = min(model.allreduce_s(s, param_bytes) for s in self._allreduce_stages)
-        return allreduce + model.apply_gradients_s(param_bytes) + model.optimizer_s(param_bytes)
+        return allreduce + model.apply_gradients_s(param_bytes) + model.least_step_s(param_bytes)
 
     def largest_block_bytes(self, start: int, stop: int | None = None) -> int:
         return self._max_bytes(start, self.n if stop is None else stop)

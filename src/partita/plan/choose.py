@@ -81,7 +81,8 @@ def to_plan(graph: ModelGraph, model: CostModel, best: Candidate, result: Search
         stages.append(StagePlan(
             index=s, blocks=(a, b), first_node=graph.blocks[a].first_node, last_node=graph.blocks[b - 1].last_node,
             ranks=tuple(model.ranks[s]), num_params=len(graph.params_of(a, b)), param_bytes=c.param_bytes,
-            recompute=c.recompute, fwd_s=c.fwd_s, bwd_s=c.bwd_s, send_s=c.send_fwd_s, allreduce_s=c.allreduce_s,
+            recompute=c.recompute, sharding=c.sharding, fwd_s=c.fwd_s, bwd_s=c.bwd_s, send_s=c.send_fwd_s,
+            allreduce_s=c.allreduce_s,
             memory={"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
                     "buffers": m.buffers, "overhead": cluster.overhead_bytes},
             memory_bytes=rank_total[position[s]],
@@ -106,7 +107,9 @@ def simulate_plan(plan: Plan, graph: ModelGraph, profile: Profile, cluster: Clus
     """The simulated step (a Trace, for pictures) of a plan's exact layout, boundaries and recomputation."""
     global_batch = plan.estimate.global_batch if plan.estimate else plan.local_batch * plan.world_size
     rows = global_batch // plan.num_replicas // plan.micro_batches
-    layout = Layout(plan.schedule, plan.num_stages, plan.pipeline_size, plan.num_replicas, plan.micro_batches, rows)
+    shardings = {s.sharding for s in plan.stages}
+    layout = Layout(plan.schedule, plan.num_stages, plan.pipeline_size, plan.num_replicas, plan.micro_batches, rows,
+                    shardings.pop() if len(shardings) == 1 else None)
     model = CostModel(graph, profile, cluster, optimizer_factor, layout)
     found = evaluate(model, [s.blocks for s in plan.stages], [s.recompute for s in plan.stages])
     if found is None:
@@ -172,9 +175,10 @@ def _check_microbatch_split(graph: ModelGraph, world: int, per_rank: int, global
         f"{valid}, or a local batch that is a multiple of {micro_batches}.")
 
 
-def _data_parallel(graph, profile, cluster, global_batch, optimizer_factor) -> tuple[float | None, int]:
+def _data_parallel(graph, profile, cluster, global_batch, optimizer_factor,
+                   sharding: str | None) -> tuple[float | None, int]:
     """Step time of data parallelism alone (None if it does not fit) and its memory per rank."""
-    layout = Layout("GPipe", 1, 1, cluster.world_size, 1, global_batch // cluster.world_size)
+    layout = Layout("GPipe", 1, 1, cluster.world_size, 1, global_batch // cluster.world_size, sharding)
     model = CostModel(graph, profile, cluster, optimizer_factor, layout)
     found = PartitionSearch(model, recompute=False).balanced()
     cost = model.stage(0, 0, graph.num_blocks, False)
@@ -187,7 +191,7 @@ def _unconstrained_memory(model: CostModel) -> int:
     g, lay = model.graph, model.layout
     params = g.param_bytes_of(0, g.num_blocks)
     acts = sum(model.profile.blocks[i].activation_bytes.at(lay.micro_batch_rows) for i in range(g.num_blocks))
-    return int(params * (3 + model.optimizer_factor) + acts + model.cluster.overhead_bytes)
+    return int(params * (2 + model.optimizer_factor) + acts + model.cluster.overhead_bytes)
 
 
 def _reasons(model: CostModel, chosen: Candidate, constraints: Constraints, result: SearchResult, plan: Plan,
@@ -218,7 +222,22 @@ def _reasons(model: CostModel, chosen: Candidate, constraints: Constraints, resu
         out.append(f"recomputation on stage(s) {[s.index for s in plan.stages if s.recompute]} to fit memory")
     elif constraints.recompute is None:
         out.append(_no_recomputation_reason(model, chosen, plan))
+    if any(s.sharding != "none" for s in plan.stages):
+        out.append(_sharding_reason(model, chosen, plan))
     return tuple(out)
+
+
+def _sharding_reason(model: CostModel, chosen: Candidate, plan: Plan) -> str:
+    """Why stages shard their optimizer state: what each replica keeps, and whether they would fit without."""
+    sharded = [c for c in chosen.stages if c.sharding != "none"]
+    whole = [c.param_bytes * model.optimizer_factor for c in sharded]
+    fits_whole = all(c.memory.total - c.memory.optimizer + w <= model.capacity for c, w in zip(sharded, whole))
+    why = (f"it shortens the step: each replica steps its share of the parameters, and sending their new values "
+           f"to the others takes {max(c.gather_s for c in sharded):.3g} s" if fits_whole else
+           "without it they do not fit")
+    return (f"optimizer state sharded over each stage's {plan.num_replicas} replicas (ZeRO-1) on stage(s) "
+            f"{[plan.stages[i].index for i, c in enumerate(chosen.stages) if c.sharding != 'none']}: a replica "
+            f"keeps {size(max(c.memory.optimizer for c in sharded))} of it instead of {size(max(whole))}; {why}")
 
 
 def _search_reason(result: SearchResult, plan: Plan) -> str:
@@ -236,7 +255,7 @@ def _search_reason(result: SearchResult, plan: Plan) -> str:
 def _data_parallel_reason(model: CostModel, plan: Plan) -> str:
     cluster = model.cluster
     dp_step, dp_memory = _data_parallel(model.graph, model.profile, cluster, plan.estimate.global_batch,
-                                        model.optimizer_factor)
+                                        model.optimizer_factor, model.layout.sharding)
     if dp_step is None:
         return (f"data parallel alone does not fit: it needs {size(dp_memory)} per rank, "
                 f"{size(cluster.memory_per_rank)} available")
@@ -285,7 +304,7 @@ def _same_stages(model: CostModel, chosen: Candidate, schedule: str, micro_batch
     except ValueError:
         return None
     layout = Layout(schedule, lay.num_stages, lay.pipeline_size, lay.num_replicas, micro_batches,
-                    lay.micro_batch_rows // micro_batches)
+                    lay.micro_batch_rows // micro_batches, lay.sharding)
     other = CostModel(model.graph, model.profile, model.cluster, model.optimizer_factor, layout)
     return evaluate(other, ranges, [None] * len(ranges))
 
@@ -322,7 +341,7 @@ def _infeasible(graph, profile, cluster, global_batch, optimizer_factor, constra
                      "the inputs): more than is available")
     for layout, why in result.rejected[:4]:
         lines.append(f"  {layout.describe()}: {why}")
-    _, dp_memory = _data_parallel(graph, profile, cluster, global_batch, optimizer_factor)
+    _, dp_memory = _data_parallel(graph, profile, cluster, global_batch, optimizer_factor, constraints.sharding)
     lines.append(f"  the whole model on one rank needs {size(dp_memory)}")
     changes = []
     for factor in (2, 4, 8, 16, 32, 64):

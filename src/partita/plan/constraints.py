@@ -19,6 +19,7 @@ class Constraints:
     micro_batches: int | None = None
     schedule: str | None = None
     recompute: bool | None = None
+    sharding: str | None = None  # one of plan.SHARDING_LEVELS, for every stage
     # the user's code computes the loss from the outputs partita returns (parallelize without loss_fn), so
     # every micro-batch's forward ends before the first backward starts: only schedules that run in that
     # order (FORWARDS_FIRST_SCHEDULES) can be what runs
@@ -36,6 +37,8 @@ class Constraints:
         if any(chosen[key] != value for key, value in self.choices().items() if key in chosen):
             return False
         if self.recompute is not None and any(s.recompute != self.recompute for s in plan.stages):
+            return False
+        if self.sharding is not None and any(s.sharding != self.sharding for s in plan.stages):
             return False
         return self.allows_schedule(plan.schedule)
 

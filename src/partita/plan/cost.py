@@ -11,6 +11,10 @@ buckets) + the process's fixed overhead.
 Time of a stage per micro-batch = forward + backward (+ forward again when recomputed); transfers to the
 neighbour stages; and, after the pipeline drains, the all-reduce of its gradients over its replicas, putting
 them into .grad and the optimizer step, which partita's runtime does not overlap with the pipeline.
+
+Sharding (ZeRO-1, "optimizer"): each replica of a stage keeps 1/replicas of its optimizer state and steps only
+those parameters, then broadcasts their new values to the other replicas (an all-gather's volume) after the
+step. A stage takes it where it is what fits, or where it makes the step shorter (`runtime.sharding`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class Layout:
     num_replicas: int
     micro_batches: int
     micro_batch_rows: int
+    sharding: str | None = None  # fixed for every stage (plan.SHARDING_LEVELS); None: each stage's own choice
 
     @property
     def data_parallel_only(self) -> bool:
@@ -72,10 +77,12 @@ class StageCost:
     memory: Memory  # without the process's own memory (a rank-level cost)
     param_bytes: int
     allreduce_s: float  # summing its gradients over its replicas, after the pipeline
-    optimizer_s: float  # the optimizer step on its parameters
+    optimizer_s: float  # the optimizer step on its parameters (on this replica's share, when sharded)
     # a pipeline holds a step's gradients aside until loss.backward() (so that the caller's gradient scales them):
     # packing them for the all-reduce, scaling them and putting them into .grad, after the pipeline
     apply_gradients_s: float = 0.0
+    sharding: str = "none"  # what its replicas split among themselves (plan.SHARDING_LEVELS)
+    gather_s: float = 0.0  # after the optimizer step, each replica's share of new values sent to the others
 
     @property
     def work_s(self) -> float:
@@ -98,8 +105,9 @@ class CostModel:
         self._stage = lru_cache(maxsize=None)(self._compute_stage)
         self._floor = lru_cache(maxsize=None)(self._compute_floor)
         self.pipelined = not layout.data_parallel_only
-        # bytes of weights + gradients + optimizer state per byte of parameters
-        self.static_per_param_byte = 2 + optimizer_factor
+        self.shardings = _shardings(layout, optimizer_factor)
+        # the least bytes of weights + gradients + optimizer state per byte of parameters, over the shardings
+        self.static_per_param_byte = 2 + min(self._optimizer_share(s) for s in self.shardings) * optimizer_factor
         self.capacity = cluster.memory_per_rank - cluster.overhead_bytes
         # ranks that share cores (CPU processes) slow each other down while they compute; a pipeline's ranks
         # compute only outside its bubble, estimated here by the classic (P-1) / (M*v + P-1)
@@ -148,7 +156,8 @@ class CostModel:
 
     def memory_needed(self, stage: int, start: int, stop: int) -> int:
         """The least memory blocks [start, stop) need as `stage`, feasible or not (for messages)."""
-        return min(self._memory(stage, start, stop, rc).total for rc in (False, True))
+        return min(self._memory(stage, start, stop, rc, sharding=sh).total
+                   for rc in (False, True) for sh in self.shardings)
 
     def memory_floor(self, stage: int, start: int, stop: int) -> int:
         """A lower bound of the memory of blocks [start, stop) as `stage` that only grows with `stop` (the
@@ -156,13 +165,19 @@ class CostModel:
         return self._floor(stage, start, stop)
 
     def _compute_floor(self, stage: int, start: int, stop: int) -> int:
-        return min(self._memory(stage, start, stop, rc, outputs=False).total for rc in (False, True))
+        return min(self._memory(stage, start, stop, rc, outputs=False, sharding=sh).total
+                   for rc in (False, True) for sh in self.shardings)
 
     def activation_bytes(self, start: int, stop: int) -> float:
         """Activations of blocks [start, stop) for one micro-batch: the least any stage of them keeps."""
         return self._act[stop] - self._act[start]
 
-    def _memory(self, stage: int, start: int, stop: int, recompute: bool, outputs: bool = True) -> Memory:
+    def _optimizer_share(self, sharding: str) -> float:
+        """The part of a stage's optimizer state each replica keeps."""
+        return 1.0 / self.layout.num_replicas if sharding == "optimizer" else 1.0
+
+    def _memory(self, stage: int, start: int, stop: int, recompute: bool, outputs: bool = True,
+                sharding: str = "none") -> Memory:
         params = self.param_bytes(start, stop)
         acts = self._act[stop] - self._act[start]
         in_bytes = self._boundary[start - 1] if start > 0 else 0.0
@@ -174,7 +189,8 @@ class CostModel:
         buffers = ((self.layout.micro_batches * (in_bytes + out_bytes) if self.pipelined else 0)
                    + min(params, GRAD_BUCKET_BYTES))
         kept = (in_bytes * held + acts) if recompute else acts * held
-        return Memory(int(params), int(grads), int(params * self.optimizer_factor), int(kept), int(buffers))
+        optimizer = params * self.optimizer_factor * self._optimizer_share(sharding)
+        return Memory(int(params), int(grads), int(optimizer), int(kept), int(buffers))
 
     def forward_s(self, start: int, stop: int) -> float:
         """Seconds of one micro-batch's forward through blocks [start, stop) as one stage."""
@@ -187,6 +203,8 @@ class CostModel:
             + self.action_s
 
     def _compute_stage(self, stage: int, start: int, stop: int, recompute: bool | None) -> StageCost | None:
+        """Without recomputation before with it; for each, the sharding with the shortest step after the
+        pipeline among those that fit (it changes nothing else of the stage's time)."""
         params = self.param_bytes(start, stop)
         fwd, bwd = self.forward_s(start, stop), self.backward_s(start, stop, params)
         writes = any(self._writes[start:stop])
@@ -194,13 +212,18 @@ class CostModel:
         for rc in options:
             if rc and writes:
                 continue
-            memory = self._memory(stage, start, stop, rc)
-            if memory.total <= self.capacity:
+            fitting = [(self.step_s(int(params), sh), sh, memory) for sh in self.shardings
+                       for memory in [self._memory(stage, start, stop, rc, sharding=sh)]
+                       if memory.total <= self.capacity]
+            if fitting:
+                _, sharding, memory = min(fitting, key=lambda f: f[0])
                 return StageCost(
                     blocks=(start, stop), recompute=rc, fwd_s=fwd, bwd_s=bwd + (fwd if rc else 0.0),
                     send_fwd_s=self.boundary_s(stage, stop), send_bwd_s=self.boundary_s(stage - 1, start) if stage else 0.0,
                     memory=memory, param_bytes=int(params), allreduce_s=self.allreduce_s(stage, int(params)),
-                    optimizer_s=self.optimizer_s(int(params)), apply_gradients_s=self.apply_gradients_s(params))
+                    optimizer_s=self.optimizer_s(int(params)) * self._optimizer_share(sharding),
+                    apply_gradients_s=self.apply_gradients_s(params), sharding=sharding,
+                    gather_s=self.gather_s(int(params), sharding))
         return None
 
     def tail_s(self, cost: StageCost) -> float:
@@ -210,8 +233,8 @@ class CostModel:
             # DDP reduces buckets while the backward runs: only what outlasts the backward shows, and that
             # costs more where the two compete for the same cores (the measured interference)
             exposed = max(cost.allreduce_s - cost.bwd_s, cost.allreduce_s * min(1.0, 25e6 / max(cost.param_bytes, 1)))
-            return exposed * (1.0 + self.cluster.allreduce_interference) + cost.optimizer_s
-        return cost.allreduce_s + cost.apply_gradients_s + cost.optimizer_s
+            return exposed * (1.0 + self.cluster.allreduce_interference) + cost.optimizer_s + cost.gather_s
+        return cost.allreduce_s + cost.apply_gradients_s + cost.optimizer_s + cost.gather_s
 
     def gradient_traffic_s(self, param_bytes: float) -> float:
         """Writing a backward's parameter gradients: a pipeline adds each micro-batch's into .grad (read both,
@@ -229,6 +252,20 @@ class CostModel:
 
     def allreduce_s(self, stage: int, param_bytes: int) -> float:
         return self.cluster.allreduce_s(param_bytes, self.ranks[stage])
+
+    def step_s(self, param_bytes: int, sharding: str) -> float:
+        """The optimizer's step on a stage's parameters and, sharded, sending the new values out."""
+        return self.optimizer_s(param_bytes) * self._optimizer_share(sharding) + self.gather_s(param_bytes, sharding)
+
+    def least_step_s(self, param_bytes: int) -> float:
+        """step_s under the cheapest sharding allowed (for bounds)."""
+        return min(self.step_s(param_bytes, sh) for sh in self.shardings)
+
+    def gather_s(self, param_bytes: int, sharding: str) -> float:
+        """Each replica broadcasts the parameters it stepped to the others: an all-gather's volume."""
+        if sharding == "none":
+            return 0.0
+        return self.cluster.allgather_s(param_bytes, self.ranks[0])
 
     def optimizer_s(self, param_bytes: int) -> float:
         """The optimizer step is memory-bound: read weights, gradients and state, write weights and state."""
@@ -259,3 +296,13 @@ def _prefix(values: list[float]) -> list[float]:
     for v in values:
         out.append(out[-1] + v)
     return out
+
+
+def _shardings(layout: Layout, optimizer_factor: float) -> tuple[str, ...]:
+    """The sharding levels a stage may take: the one fixed, else sharding the optimizer's state where there are
+    replicas to share it and state to share."""
+    if layout.sharding is not None:
+        return (layout.sharding,)
+    if layout.num_replicas > 1 and optimizer_factor > 0:
+        return ("none", "optimizer")
+    return ("none",)

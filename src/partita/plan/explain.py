@@ -76,7 +76,7 @@ def explain(plan) -> str:
             f"{plan.num_replicas} replica{'s' if plan.num_replicas > 1 else ''}, {plan.schedule}, "
             f"{plan.micro_batches} micro-batch{'es' if plan.micro_batches > 1 else ''}, "
             f"world {plan.world_size}")
-    rows = [("stage", "blocks", "first .. last node", "ranks", "params", "fwd/mb", "bwd/mb", "recompute",
+    rows = [("stage", "blocks", "first .. last node", "ranks", "params", "fwd/mb", "bwd/mb", "recompute", "sharding",
              "params+grads+optim", "activations", "buffers", "process", "memory/rank", "send/mb", "all-reduce")]
     memory, held = rank_memory(plan), _holders(plan)
     for s, mem in zip(plan.stages, memory):
@@ -89,7 +89,7 @@ def explain(plan) -> str:
         rows.append((
             str(s.index), f"{s.blocks[0]}-{s.blocks[1] - 1}", f"{s.first_node} .. {s.last_node}",
             ",".join(map(str, s.ranks)), f"{s.num_params} ({size(s.param_bytes)})",
-            seconds(s.fwd_s), seconds(s.bwd_s), "yes" if s.recompute else "no",
+            seconds(s.fwd_s), seconds(s.bwd_s), "yes" if s.recompute else "no", s.sharding,
             *columns, seconds(s.send_s), seconds(s.allreduce_s),
         ))
     lines = [head] + _table(rows)

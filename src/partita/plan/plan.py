@@ -18,7 +18,15 @@ from partita.schedule.generate import check_sizes
 from partita.schedule.catalog import (LOOPED_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES,
                                         stage_to_pipeline_rank, stages_per_rank)
 
-VERSION = 2  # 2: the micro-batch count is `micro_batches` (version 1 called it `num_microbatches`)
+# 2: the micro-batch count is `micro_batches` (version 1 called it `num_microbatches`)
+# 3: each stage says how its replicas shard their state (`sharding`; earlier plans shard nothing)
+VERSION = 3
+
+# What the replicas of a stage split among themselves instead of each holding it whole (ZeRO's levels):
+# nothing, the optimizer's state (ZeRO-1), + the gradients (ZeRO-2), + the parameters (ZeRO-3)
+SHARDING_LEVELS = ("none", "optimizer", "gradients", "parameters")
+# the levels this version's runtime runs
+RUNNABLE_SHARDING = ("none", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,7 @@ class StagePlan:
     num_params: int = 0
     param_bytes: int = 0
     recompute: bool = False  # run the forward again in the backward instead of keeping activations
+    sharding: str = "none"  # one of SHARDING_LEVELS: what its replicas split among themselves
     fwd_s: float = 0.0  # estimated seconds per micro-batch
     bwd_s: float = 0.0  # including the recomputed forward
     send_s: float = 0.0  # its outputs to the next stage, per micro-batch
@@ -135,6 +144,8 @@ class Plan:
             expect = stage.blocks[1]
         if self.num_blocks and expect != self.num_blocks:
             raise PlanError(f"the stages cover {expect} blocks but the model has {self.num_blocks}")
+        for stage in self.stages:
+            check_sharding(stage.sharding)
         every = sorted({r for st in self.stages for r in st.ranks})
         if every != list(range(self.world_size)):
             raise PlanError(f"the plan must use ranks 0..{self.world_size - 1} each, got {every}")
@@ -217,8 +228,19 @@ def upgrade(data: dict) -> dict:
     """A plan's JSON fields as this version names them; plans written by earlier versions still load."""
     if data.get("version") == 1 and "num_microbatches" in data:
         data = {k: v for k, v in data.items() if k != "num_microbatches"} | {
-            "micro_batches": data["num_microbatches"], "version": VERSION}
+            "micro_batches": data["num_microbatches"], "version": 2}
+    if data.get("version") == 2:  # stages without `sharding` shard nothing
+        data = data | {"version": VERSION}
     return data
+
+
+def check_sharding(level: str) -> None:
+    """Raise PlanError unless `level` is a sharding level this version runs."""
+    if level not in SHARDING_LEVELS:
+        raise PlanError(f"unknown sharding {level!r}; choose one of {', '.join(SHARDING_LEVELS)}")
+    if level not in RUNNABLE_SHARDING:
+        raise PlanError(f"sharding={level!r} (ZeRO-{SHARDING_LEVELS.index(level)}) is not in this partita version "
+                        f"yet: choose one of {', '.join(RUNNABLE_SHARDING)}")
 
 
 def divisors(n: int) -> list[int]:

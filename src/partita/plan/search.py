@@ -102,7 +102,7 @@ def layouts(graph: ModelGraph, cluster: Cluster, global_batch: int, constraints:
                     check_sizes(schedule, num_stages, depth, m)
                 except ValueError:
                     continue
-                out.append(Layout(schedule, num_stages, depth, replicas, m, rows // m))
+                out.append(Layout(schedule, num_stages, depth, replicas, m, rows // m, constraints.sharding))
     return out
 
 

@@ -6,10 +6,12 @@
    `weights`; every other tensor is freed;
 3. the pipeline split: the stages this rank runs, their process groups and gradient groups, and the
    optimizer's state kept where its parameters train; or, for one stage and one micro-batch, the whole
-   module under torch's DistributedDataParallel.
+   module under torch's DistributedDataParallel;
+4. sharding: where the plan says so, each replica of a stage keeps its share of the optimizer's state
+   (`sharding.py`).
 
-Later parallelisms take their place in this order (tensor parallelism, then recomputation, then sharding,
-then precision, each applied to the stages of step 3), so that each lands here and nowhere else.
+Later parallelisms take their place in this order (tensor parallelism and recomputation before sharding,
+precision after it, each applied to the stages of step 3), so that each lands here and nowhere else.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from partita.graph import ModelGraph
 from partita.plan.plan import Plan
 from partita.runtime.batch import Call, Loss
 from partita.runtime.data_parallel import DataParallel
+from partita.runtime.groups import stage_groups
 from partita.runtime.materialize import Initial, materialize
 from partita.runtime.ownership import named_state, ownership
 from partita.runtime.pipeline_parallel import PipelineParallel
@@ -41,6 +44,9 @@ def build_runtime(module: nn.Module, cap: CapturedGraph, graph: ModelGraph, plan
         runtime = DataParallel(module, cap, plan, owners, loss=loss, rank=rank, world_size=world_size,
                                device=device)
         runtime.settle_buckets(first_call)
-        return runtime
-    return PipelineParallel(module, cap, plan, owners, loss=loss, optimizer=optimizer, rank=rank,
-                            world_size=world_size, device=device, signature_key=first_call.signature.key)
+    else:
+        runtime = PipelineParallel(module, cap, plan, owners, loss=loss, optimizer=optimizer, rank=rank,
+                                   world_size=world_size, device=device, signature_key=first_call.signature.key)
+    if optimizer is not None and any(s.sharding != "none" for s in plan.stages):
+        runtime.shard_optimizer_state(optimizer, stage_groups(plan))
+    return runtime

@@ -21,12 +21,10 @@ from partita.plan.plan import Plan
 from partita.runtime.batch import Call, Loss
 from partita.runtime.grads import GradSync
 from partita.runtime.groups import gradient_groups, pipeline_groups, stage_groups
-from partita.runtime.optim import patch_optimizer
 from partita.runtime.ownership import Ownership
 from partita.runtime.pipelined import Engine, Place
 from partita.runtime.route import Replica
-from partita.runtime.run import Runtime, first_names
-from partita.runtime.state import gather_optimizer_state
+from partita.runtime.run import Runtime
 from partita.schedule import Action
 
 
@@ -57,9 +55,7 @@ class PipelineParallel(Runtime):
         self._last = self._engine(cap, list(ownership.stage_of_unit))
         self.engines = {(True, signature_key, self._requires_grad()): self._last}
         if optimizer is not None:
-            patch_optimizer(optimizer, self._whole_optimizer_state, self.keep_local_optimizer_state)
-            # state loaded before this first call (partita.load, load_state_dict) covers the whole model
-            self.keep_local_optimizer_state(optimizer)
+            self.keep_optimizer_state_here(optimizer)
 
     def __call__(self, call: Call):
         engine = self._engine_for(call)
@@ -88,19 +84,3 @@ class PipelineParallel(Runtime):
                 cap, carry_stages(cap, self.ownership.stage_of_node, self.ownership.stages_of_param()))
         self._last = self.engines[key]
         return self._last
-
-    # ---- the optimizer: its state lives where its parameters are trained --------------------------------
-    def _optimizer_params(self) -> list[nn.Parameter]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
-    def _whole_optimizer_state(self, state_dict: dict) -> dict:
-        first = first_names(self.module)
-        owner = {i: self.owner_of(first[id(p)]) if id(p) in first else 0
-                 for i, p in enumerate(self._optimizer_params())}
-        return gather_optimizer_state(state_dict, owner, self.rank)
-
-    def keep_local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
-        local = self.trained_here()
-        for p in list(optimizer.state):
-            if id(p) not in local:
-                del optimizer.state[p]

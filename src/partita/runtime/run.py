@@ -17,8 +17,10 @@ from torch import nn
 
 from partita.plan.plan import Plan
 from partita.runtime.batch import Call
+from partita.runtime.optim import patch_optimizer
 from partita.runtime.ownership import Ownership
-from partita.runtime.state import broadcast_from_owners, landing
+from partita.runtime.sharding import OptimizerSharding, state_keepers
+from partita.runtime.state import broadcast_from_owners, gather_optimizer_state, landing
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ class Runtime:
         self.rank = rank
         self.device = device
         self.parameters = dict(module.named_parameters(remove_duplicate=False))
+        self.optimizer: torch.optim.Optimizer | None = None
+        # parameter (first name) -> the replica of its stage that keeps its optimizer state, where sharded
+        self.keepers: dict[str, int] = {}
 
     def __call__(self, call: Call):
         raise NotImplementedError
@@ -74,8 +79,43 @@ class Runtime:
         return self.ownership.owner.get(name, 0)
 
     def trained_here(self) -> set[int]:
-        """ids of the parameters this rank trains (read by its stages)."""
-        return {id(self.parameters[f]) for f in self.ownership.trained_by(self.rank)}
+        """ids of the parameters whose optimizer state lives on this rank: those its stages read, less those
+        another replica of its stage keeps (sharding)."""
+        return {id(self.parameters[f]) for f in self.ownership.trained_by(self.rank)
+                if self.keepers.get(f, self.rank) == self.rank}
+
+    def state_keeper(self, name: str) -> int:
+        """The rank whose optimizer state for parameter `name` (its first name) is current."""
+        return self.keepers.get(name, self.owner_of(name))
+
+    def keep_optimizer_state_here(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's state_dict() whole on every rank (gathered from the ranks that keep each part) and
+        its load_state_dict() keeping only this rank's part; state loaded before the first call (partita.load,
+        load_state_dict) covers the whole model and is cut to this rank's part now."""
+        patch_optimizer(optimizer, self._whole_optimizer_state, self._keep_local_optimizer_state)
+        self._keep_local_optimizer_state(optimizer)
+
+    def _whole_optimizer_state(self, state_dict: dict) -> dict:
+        first = first_names(self.module)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        keeper = {i: self.state_keeper(first[id(p)]) if id(p) in first else 0 for i, p in enumerate(params)}
+        return gather_optimizer_state(state_dict, keeper, self.rank)
+
+    def _keep_local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        local = self.trained_here()
+        for p in list(optimizer.state):
+            if id(p) not in local:
+                del optimizer.state[p]
+
+    def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, stage_groups: dict) -> None:
+        """Where the plan shards optimizer state (ZeRO-1), each replica of a stage keeps its share of it."""
+        self.keepers = state_keepers(self.plan, self.ownership.stage_params, self.parameters)
+        if not self.keepers:
+            return
+        self.optimizer = optimizer
+        OptimizerSharding(optimizer, self.keepers, self.parameters, self.plan, self.ownership.stage_params,
+                          stage_groups, self.rank, self.device)
+        self.keep_optimizer_state_here(optimizer)
 
     def held(self) -> Held:
         local = self.trained_here()

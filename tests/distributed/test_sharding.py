@@ -1,0 +1,43 @@
+"""ZeRO-1 (sharding="optimizer"): the replicas of each stage split the optimizer's state; training equals one
+process (fp32, rtol 1e-5): gradients, parameters and the gathered optimizer state, with SGD momentum and
+Adam, under data parallelism and pipelines with replicas, tied weights included."""
+
+import pytest
+
+from test_checkpoint import CASE, TWO_BY_TWO, check_resumed
+from test_fidelity import check, fidelity
+
+LAYOUTS = [(2, 1, 1), (4, 1, 1), (4, 2, 2)]  # world, stages, micro-batches
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("world,stages,micro_batches", LAYOUTS)
+def test_optimizer_state_sharded_over_replicas(pools, world, stages, micro_batches, optimizer):
+    results = pools.run(world, "support.cases:fidelity", "mlp", optimizer=optimizer, stages=stages,
+                        micro_batches=micro_batches, sharding="optimizer")
+    r = check(results)
+    assert r["plan"][:3] == (stages, world // stages, micro_batches)
+    # each parameter's state lives on exactly one replica of its stage
+    kept = [set(x["optimizer_kept"]) for x in results]
+    everything = set().union(*kept)
+    assert sum(len(k) for k in kept) == len(everything) == 12  # 6 Linear layers x (weight, bias)
+
+
+def test_tied_weights_with_sharding(pools):
+    r = fidelity(pools, 4, "tied_embedding", stages=2, micro_batches=2, sharding="optimizer")
+    assert r["plan"][:2] == (2, 2)
+
+
+@pytest.mark.parametrize("world,plan", [
+    (2, {"stages": 1, "micro_batches": 1, "sharding": "none"}),
+    (4, {"stages": 1, "micro_batches": 1, "sharding": "optimizer"}),
+    (4, {"stages": 2, "replicas": 2, "micro_batches": 2, "schedule": "GPipe", "sharding": "none"}),
+], ids=["to-2-ranks-unsharded", "to-4-replicas-sharded", "to-2x2-unsharded"])
+def test_checkpoints_across_sharding_levels_and_worlds(pools, tmp_path, world, plan):
+    """Saved 2 stages x 2 replicas with the optimizer state sharded; loaded under another sharding level, world
+    and plan: parameters and Adam state equal the saved ones exactly, and the next losses the saving run's."""
+    sharded = {**TWO_BY_TWO, "sharding": "optimizer"}
+    saved = pools.run(4, f"{CASE}:train_and_save", "gpt", str(tmp_path), sharded)
+    loaded = pools.run(world, f"{CASE}:load_and_continue", "gpt", str(tmp_path), plan)
+    check_resumed(loaded, saved)
+    assert loaded[0]["plan"][0] == plan["stages"]
