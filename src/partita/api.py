@@ -30,6 +30,7 @@ from partita.runtime.batch import Call, local_rows, loss_of, split_target
 from partita.runtime.build import build_runtime
 from partita.runtime.materialize import Initial, InitFn, check_devices, initial_of
 from partita.runtime.optim import optimizer_state_factor
+from partita.runtime.precision import check_precision
 from partita.runtime.run import Held, Runtime, in_mode
 from partita.sim import Trace
 
@@ -182,8 +183,8 @@ class ParallelModule(nn.Module):
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, loss_fn=None,
                 stages: int | None = None, replicas: int | None = None, micro_batches: int | None = None,
                 schedule: str | None = None, plan: Plan | str | Path | None = None,
-                sharding: str | None = None, init_fn: InitFn | None = None, weights: str | Path | None = None,
-                strict: bool = True) -> ParallelModule:
+                sharding: str | None = None, precision: str = "fp32", init_fn: InitFn | None = None,
+                weights: str | Path | None = None, strict: bool = True) -> ParallelModule:
     """Wrap an unmodified model so that it trains across this job's processes.
 
     Each rank passes its own local batch; the global batch is the ranks' local batches concatenated in rank
@@ -193,7 +194,9 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
     `stages`, `replicas`, `micro_batches`, `schedule` and `sharding` fix what the planner would choose; `plan`
     takes a saved plan (a path or a Plan). `sharding="optimizer"` (ZeRO-1): the replicas of each stage split
-    the optimizer's state among themselves; `"none"`: each keeps all of it.
+    the optimizer's state among themselves; `"none"`: each keeps all of it. `precision="bf16"` or `"fp16"`
+    computes under torch.autocast with the float32 weights and optimizer state as the master copy (outputs
+    and the loss come back in the model's own dtypes); fp16 scales the loss dynamically.
 
     Each rank keeps only the parameters and buffers of its own stages, on its device, and frees the rest. The
     model may be built on the CPU (every rank starts from rank 0's weights) or, when it is bigger than host
@@ -213,13 +216,14 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     >>> model.plan.num_stages
     1
     """
-    env.init()
+    world = env.init()
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize needs an nn.Module, got {type(model).__name__}")
     if sharding is not None:
         check_sharding(sharding)
+    check_precision(precision, world.device)
     constraints = Constraints(stages=stages, replicas=replicas, micro_batches=micro_batches, schedule=schedule,
-                              sharding=sharding, user_loss=loss_fn is None)
+                              sharding=sharding, precision=precision, user_loss=loss_fn is None)
     if schedule is not None and not constraints.allows_schedule(schedule):
         raise PlanError(user_loss_problem(schedule))
     # from now on partita.shutdown() tells the other ranks when this one stops calling the model

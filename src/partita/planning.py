@@ -24,6 +24,7 @@ from partita.plan import Constraints, Plan, choose_plan
 from partita.plan.choose import user_loss_problem
 from partita.profile import Parallelize, device_spec, measure
 from partita.runtime import agreement
+from partita.runtime.precision import DTYPES
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def agreed_plan(cap: CapturedGraph, graph: ModelGraph, rows: tuple[int, ...], re
     world = env.world()
     profile = cluster = None
     if request.given is None:
-        profile, cluster = _measure(cap, graph, max(rows), parallelize)
+        profile, cluster = _measure(cap, graph, max(rows), parallelize, request.constraints.precision)
     result: list = [None]
     if world.rank == 0:
         try:
@@ -79,9 +80,9 @@ def _device_memory(device: torch.device, local_world_size: int) -> int:
     return int(total) if limit is None else min(int(total), limit)
 
 
-def _measure(cap: CapturedGraph, graph: ModelGraph, local_batch: int, parallelize: Parallelize):
+def _measure(cap: CapturedGraph, graph: ModelGraph, local_batch: int, parallelize: Parallelize, precision: str):
     """(profile, cluster) on rank 0, (None, None) elsewhere: measured on this job's devices, or estimated
-    from the device preset when PARTITA_PROFILE=estimate (faster, less exact)."""
+    from the device preset when PARTITA_PROFILE=estimate (faster, less exact); in the job's precision."""
     world = env.world()
     memory = _device_memory(world.device, world.local_world_size)
     if settings.profile_mode() == "estimate":
@@ -90,8 +91,10 @@ def _measure(cap: CapturedGraph, graph: ModelGraph, local_batch: int, paralleliz
         spec = device_spec(world.device)
         per_node = max(1, min(world.local_world_size, world.world_size))
         cluster = Cluster(spec, max(1, world.world_size // per_node), per_node, memory_bytes=memory)
-        return roofline_profile(graph, spec), cluster
-    return measure(cap, graph, local_batch, world.device, world.local_world_size, memory, parallelize)
+        dtype = str(DTYPES.get(precision, torch.float32)).removeprefix("torch.")
+        return roofline_profile(graph, spec, dtype), cluster
+    return measure(cap, graph, local_batch, world.device, world.local_world_size, memory, parallelize,
+                   compute_dtype=DTYPES.get(precision))
 
 
 def _make_plan(graph: ModelGraph, global_batch: int, profile: Profile | None, cluster: Cluster | None,

@@ -171,6 +171,38 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
     return {"diffs": side.diffs.result(), "losses": side.losses, "held": held, "optimizer_kept": kept, **report}
 
 
+@mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
+def precision_losses(name: str, precision: str, *, steps: int = 5, local_batch: int = 8, **plan_args) -> dict:
+    """Train `steps` steps with partita computing in `precision` and, in one process on the global batch, the
+    same model under torch.autocast in that precision (the user's own loop) and in float32; the global
+    losses of each (partita's as float.hex on every rank, to compare ranks bit for bit)."""
+    case = CASES[name]
+    torch.manual_seed(0)
+    model = case.make()
+    low, full = copy.deepcopy(model), copy.deepcopy(model)
+    opts = [_optimizer("sgd", m) for m in (model, low, full)]
+    pm = partita.parallelize(model, opts[0], loss_fn=case.loss_fn, precision=precision, **plan_args)
+    rank, world = partita.get_rank(), partita.get_world_size()
+    gen = torch.Generator().manual_seed(1)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    losses: dict[str, list] = {"partita": [], "autocast": [], "fp32": []}
+    for _ in range(steps):
+        args, kwargs, target = case.batch(world * local_batch, gen)
+        mine = slice(rank * local_batch, (rank + 1) * local_batch)
+        loss = pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine))
+        loss.backward()
+        losses["partita"].append(float(loss.detach()).hex())
+        for kind, ref in (("autocast", low), ("fp32", full)):
+            with torch.autocast("cpu", dtype=dtype, enabled=kind == "autocast"):
+                ref_loss = case.loss_fn(ref(*args, **kwargs), target)
+            ref_loss.backward()
+            losses[kind].append(float(ref_loss.detach()))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {**losses, "plan": _summary(pm.plan), "precision": pm.plan.precision}
+
+
 def _other_weights(model: torch.nn.Module, path: str) -> dict[str, torch.Tensor]:
     """Weights unlike `model`'s own (every tensor moved), written to `path` by rank 0; every rank gets them."""
     state = {n: t + torch.randn(t.shape, generator=torch.Generator().manual_seed(7)) if t.is_floating_point()
@@ -483,6 +515,8 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
                 scaled = torch.nn.Sequential(torch.nn.Linear(32, 32), _Scale(32))
             pm = partita.parallelize(scaled, loss_fn=torch.nn.MSELoss(), stages=2)
             pm(x, y)
+        elif scenario == "fp16":
+            partita.parallelize(model, loss_fn=torch.nn.MSELoss(), precision="fp16")
         elif scenario == "meta_on_one_rank":
             with torch.device("meta" if rank == 1 else "cpu"):
                 mixed = CASES["mlp"].make()

@@ -41,7 +41,7 @@ def choose_plan(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global
     model = CostModel(graph, profile, cluster, optimizer_factor, chosen.layout)
     plan = to_plan(graph, model, chosen, result, global_batch, profile, time.perf_counter() - started)
     reasons = _reasons(model, chosen, constraints, result, plan, fastest if simpler is not None else None)
-    return replace(plan, reasons=reasons).validate(cluster.world_size)
+    return replace(plan, reasons=reasons, precision=constraints.precision).validate(cluster.world_size)
 
 
 def _fewer_pipeline_ranks(graph, profile, cluster, global_batch, optimizer_factor, constraints: Constraints,

@@ -20,6 +20,7 @@ class Constraints:
     schedule: str | None = None
     recompute: bool | None = None
     sharding: str | None = None  # one of plan.SHARDING_LEVELS, for every stage
+    precision: str = "fp32"  # plan.PRECISIONS: what the user asked for (the profile measures in it)
     # the user's code computes the loss from the outputs partita returns (parallelize without loss_fn), so
     # every micro-batch's forward ends before the first backward starts: only schedules that run in that
     # order (FORWARDS_FIRST_SCHEDULES) can be what runs
@@ -28,7 +29,7 @@ class Constraints:
     def choices(self) -> dict:
         """The fields the user fixed, by name (for messages and for comparing with a plan)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "user_loss" and getattr(self, f.name) is not None}
+                if f.name not in ("user_loss", "precision") and getattr(self, f.name) is not None}
 
     def allows(self, plan: Plan) -> bool:
         """Whether `plan` honours every choice fixed here (a plan saved earlier, offered instead of planning)."""
@@ -39,6 +40,8 @@ class Constraints:
         if self.recompute is not None and any(s.recompute != self.recompute for s in plan.stages):
             return False
         if self.sharding is not None and any(s.sharding != self.sharding for s in plan.stages):
+            return False
+        if plan.precision != self.precision:
             return False
         return self.allows_schedule(plan.schedule)
 

@@ -75,7 +75,7 @@ def explain(plan) -> str:
     head = (f"plan: {plan.num_stages} stage{'s' if plan.num_stages > 1 else ''} x "
             f"{plan.num_replicas} replica{'s' if plan.num_replicas > 1 else ''}, {plan.schedule}, "
             f"{plan.micro_batches} micro-batch{'es' if plan.micro_batches > 1 else ''}, "
-            f"world {plan.world_size}")
+            f"world {plan.world_size}{'' if plan.precision == 'fp32' else ', computing in ' + plan.precision}")
     rows = [("stage", "blocks", "first .. last node", "ranks", "params", "fwd/mb", "bwd/mb", "recompute", "sharding",
              "params+grads+optim", "activations", "buffers", "process", "memory/rank", "send/mb", "all-reduce")]
     memory, held = rank_memory(plan), _holders(plan)

@@ -19,7 +19,8 @@ from partita.schedule.catalog import (LOOPED_SCHEDULES, SCHEDULES, SINGLE_STAGE_
                                         stage_to_pipeline_rank, stages_per_rank)
 
 # 2: the micro-batch count is `micro_batches` (version 1 called it `num_microbatches`)
-# 3: each stage says how its replicas shard their state (`sharding`; earlier plans shard nothing)
+# 3: each stage says how its replicas shard their state (`sharding`; earlier plans shard nothing), and the plan
+#    what its stages compute in (`precision`; earlier plans: fp32)
 VERSION = 3
 
 # What the replicas of a stage split among themselves instead of each holding it whole (ZeRO's levels):
@@ -27,6 +28,8 @@ VERSION = 3
 SHARDING_LEVELS = ("none", "optimizer", "gradients", "parameters")
 # the levels this version's runtime runs
 RUNNABLE_SHARDING = ("none", "optimizer")
+# what the stages compute in: float32, or bfloat16 / float16 under autocast with float32 weights and state
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ class Plan:
     local_batch: int = 0  # the local batch the plan was made for (0: any)
     device_memory_bytes: int = 0
     reasons: tuple[str, ...] = field(default=())  # why the planner chose this
+    precision: str = "fp32"  # one of PRECISIONS
     estimate: Estimate | None = None
     version: int = VERSION
 
@@ -146,6 +150,8 @@ class Plan:
             raise PlanError(f"the stages cover {expect} blocks but the model has {self.num_blocks}")
         for stage in self.stages:
             check_sharding(stage.sharding)
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         every = sorted({r for st in self.stages for r in st.ranks})
         if every != list(range(self.world_size)):
             raise PlanError(f"the plan must use ranks 0..{self.world_size - 1} each, got {every}")

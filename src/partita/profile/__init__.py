@@ -67,15 +67,16 @@ def _agreed(flag: bool) -> bool:
 
 
 def measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, local_world_size: int,
-            memory_per_rank: int, parallelize: Parallelize,
-            show_progress: bool = True) -> tuple[Profile | None, Cluster | None]:
+            memory_per_rank: int, parallelize: Parallelize, show_progress: bool = True,
+            compute_dtype: torch.dtype | None = None) -> tuple[Profile | None, Cluster | None]:
     """(profile, cluster) on rank 0, (None, None) elsewhere; collective. `parallelize` wraps a model as partita
-    does (its runtime's own costs are measured by training a probe model with it)."""
+    does (its runtime's own costs are measured by training a probe model with it). `compute_dtype`: blocks
+    compute in it under autocast, as the job will (mixed precision)."""
     # measuring draws random inputs and seeds its own models: the user's random streams (just restored from a
     # checkpoint, perhaps) must come out as they went in
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         return _measure(cap, graph, local_batch, device, local_world_size, memory_per_rank, parallelize,
-                        show_progress)
+                        show_progress, compute_dtype)
 
 
 @dataclass(frozen=True)
@@ -89,17 +90,19 @@ class _Job:
     spec: DeviceSpec
     cores: int  # CPU cores this process may use (0 on CUDA)
     say: bool  # rank 0 tells what it measures (unless PARTITA_LOG=off or show_progress=False)
+    compute_dtype: torch.dtype | None  # under autocast (mixed precision), else the weights' own
 
 
 def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, local_world_size: int,
-             memory_per_rank: int, parallelize: Parallelize,
-             show_progress: bool) -> tuple[Profile | None, Cluster | None]:
+             memory_per_rank: int, parallelize: Parallelize, show_progress: bool,
+             compute_dtype: torch.dtype | None) -> tuple[Profile | None, Cluster | None]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     job = _Job(rank, world, local_world_size, device, device_spec(device),
                len(os.sched_getaffinity(0)) if device.type == "cpu" else 0,
-               show_progress and rank == 0 and not log.disabled and log.isEnabledFor(logging.INFO))
-    dtype = str(next((t.dtype for t in cap.module.parameters() if t.is_floating_point()), torch.float32))
+               show_progress and rank == 0 and not log.disabled and log.isEnabledFor(logging.INFO), compute_dtype)
+    dtype = str(compute_dtype or next((t.dtype for t in cap.module.parameters() if t.is_floating_point()),
+                                      torch.float32))
     blocks_key = cache.key(MEASUREMENT_VERSION, [b.signature for b in graph.blocks], profile_rows(local_batch),
                            job.spec.name, str(device.type), torch.__version__, dtype)
     links_key = cache.key(MEASUREMENT_VERSION, dist.get_backend() if dist.is_initialized() else "none", world,
@@ -134,7 +137,8 @@ def _at_once(job: _Job) -> int:
 def _block_costs(cap, graph: ModelGraph, local_batch: int, job: _Job) -> Profile | None:
     """The measured Profile of the model's blocks (rank 0; None elsewhere). Collective."""
     started = time.perf_counter()
-    costs = measure_blocks(cap, graph, local_batch, job.device, job.say, at_once=_at_once(job))
+    costs = measure_blocks(cap, graph, local_batch, job.device, job.say, at_once=_at_once(job),
+                           compute_dtype=job.compute_dtype)
     if job.say:
         log.info("blocks measured in %s", seconds(time.perf_counter() - started))
     if job.rank != 0:

@@ -15,6 +15,7 @@ a time. Timing needs real memory and values of the right magnitude, not the mode
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
@@ -236,9 +237,15 @@ def measure_block(cap: CapturedGraph, graph: ModelGraph, block: Block, rows: int
         return _measure_stage(stage, inputs, device, launch_s)
 
 
+def _computing_in(device: torch.device, dtype: torch.dtype | None):
+    """The forward's context when the job computes in lower precision under autocast (runtime.precision)."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 def _measure_stage(stage: StageGraph, inputs: list[torch.Tensor], device: torch.device,
-                   launch_s: float) -> tuple[float, float, float]:
-    """measure_block's numbers for a block cut out as `stage`, run on `inputs`."""
+                   launch_s: float, compute_dtype: torch.dtype | None = None) -> tuple[float, float, float]:
+    """measure_block's numbers for a block cut out as `stage`, run on `inputs` (under autocast to
+    `compute_dtype` if given)."""
     module = stage.module
     params = [p for p in module.parameters() if p.requires_grad]
     kept = {t.untyped_storage().data_ptr() for t in list(module.parameters()) + list(module.buffers())}
@@ -246,7 +253,8 @@ def _measure_stage(stage: StageGraph, inputs: list[torch.Tensor], device: torch.
     saved_before = [b.detach().clone() for b in written]
 
     def forward():
-        return [o for o in module(*inputs) if isinstance(o, torch.Tensor)]
+        with _computing_in(device, compute_dtype):
+            return [o for o in module(*inputs) if isinstance(o, torch.Tensor)]
 
     def forward_backward():
         outs = [o for o in forward() if o.requires_grad]
@@ -274,7 +282,8 @@ def _measure_stage(stage: StageGraph, inputs: list[torch.Tensor], device: torch.
 
 
 def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, device: torch.device,
-                   show_progress: bool = True, at_once: int = 0) -> dict[str, BlockCost]:
+                   show_progress: bool = True, at_once: int = 0,
+                   compute_dtype: torch.dtype | None = None) -> dict[str, BlockCost]:
     """Costs by block signature. Every rank measures its share of the distinct blocks; rank 0 gets them all
     (other ranks get an empty dict).
 
@@ -295,7 +304,7 @@ def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, devi
         if not at_once or local_rank // at_once == turn:
             try:
                 results = _measure_share(cap, graph, first_of, mine, local_batch, device,
-                                         show_progress and rank == 0, turns)
+                                         show_progress and rank == 0, turns, compute_dtype)
             except Exception as e:  # noqa: BLE001 - the other ranks must hear of it, not wait for this rank
                 failure, results = e, RankError.of(rank, e)
         if turns > 1 and world > 1:
@@ -319,7 +328,7 @@ def measure_blocks(cap: CapturedGraph, graph: ModelGraph, local_batch: int, devi
 
 def _measure_share(cap: CapturedGraph, graph: ModelGraph, first_of: dict[str, Block], mine: list[str],
                    local_batch: int, device: torch.device, show_progress: bool,
-                   turns: int) -> dict[str, tuple[Fit, Fit, Fit]]:
+                   turns: int, compute_dtype: torch.dtype | None) -> dict[str, tuple[Fit, Fit, Fit]]:
     """This rank's blocks (signatures `mine`): forward, backward and saved bytes, each a line in the rows.
     `turns`: how many groups of ranks measure one after the other (for the time left that progress shows)."""
     set_up = time.perf_counter()
@@ -337,7 +346,7 @@ def _measure_share(cap: CapturedGraph, graph: ModelGraph, first_of: dict[str, Bl
             with _standing_in(stages[sig].module, device):
                 for rows in (r1, r2):
                     samples.setdefault((sig, rows), []).append(_measure_stage(
-                        stages[sig], inputs[rows][first_of[sig].first_node], device, launch))
+                        stages[sig], inputs[rows][first_of[sig].first_node], device, launch, compute_dtype))
             if show_progress:
                 _progress(round_ * len(mine) + i + 1, ROUNDS * len(mine), turns, started - set_up,
                           time.perf_counter() - started)

@@ -6,13 +6,14 @@ The loss is that of the global batch (`batch.global_loss`): each rank's mean wei
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from partita.capture.export import CapturedGraph
 from partita.plan.plan import Plan
 from partita.runtime.batch import Call, Loss, global_loss
 from partita.runtime.ownership import Ownership
+from partita.runtime.precision import as_captured, autocast
 from partita.runtime.run import Runtime, in_mode
 
 
@@ -25,9 +26,15 @@ class DataParallel(Runtime):
         super().__init__(module, plan, ownership, rank, device)
         self.loss = loss
         self.ddp = module if world_size == 1 else _ddp(module, cap)
+        # outputs leave in the captured graph's dtypes, as a pipeline's do (precision.py)
+        self.out_dtypes = [o.meta["val"].dtype if isinstance(o, fx.Node) else None for o in cap.outputs]
 
     def __call__(self, call: Call):
-        out = self.ddp(*call.args, **call.kwargs)
+        if self.plan.precision == "fp32":
+            out = self.ddp(*call.args, **call.kwargs)
+        else:
+            with autocast(self.plan.precision, self.device):
+                out = as_captured(self.ddp(*call.args, **call.kwargs), self.out_dtypes)
         if self.loss is None:
             return torch.utils._pytree.tree_map(
                 lambda t: global_loss(t, "mean", call.rows) if isinstance(t, torch.Tensor) and t.dim() == 0 else t,

@@ -29,6 +29,7 @@ from partita.capture.export import CapturedGraph
 from partita.capture.shapes import meta_like
 from partita.capture.split import StageGraph
 from partita.plan.plan import Plan
+from partita.runtime.precision import LowPrecision
 from partita.schedule import Action, orders
 from partita.schedule.action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 
@@ -93,11 +94,15 @@ class Pipeline:
         self.stages: list[RecordingStage] = []
         for index in plan.stages_of(rank):
             g = graphs[index]
-            module = Recomputed(g.module) if plan.stages[index].recompute else g.module
+            outputs = _static_shapes(cap, g.outputs, micro_batch_rows)
+            module = g.module
+            if plan.precision != "fp32":
+                module = LowPrecision(module, plan.precision, device, [t.dtype for t in outputs])
+            if plan.stages[index].recompute:
+                module = Recomputed(module)
             stage = RecordingStage(module, index, plan.num_stages, device,
                                    input_args=_static_shapes(cap, g.inputs, micro_batch_rows),
-                                   output_args=_static_shapes(cap, g.outputs, micro_batch_rows),
-                                   group=group, executed=self.executed)
+                                   output_args=outputs, group=group, executed=self.executed)
             stage.stage_index_to_group_rank = dict(position)
             self.stages.append(stage)
         self.by_index = {s.stage_index: s for s in self.stages}
