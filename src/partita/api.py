@@ -182,7 +182,7 @@ class ParallelModule(nn.Module):
 
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, loss_fn=None,
                 stages: int | None = None, replicas: int | None = None, micro_batches: int | None = None,
-                schedule: str | None = None, plan: Plan | str | Path | None = None,
+                schedule: str | None = None, recompute: bool | None = None, plan: Plan | str | Path | None = None,
                 sharding: str | None = None, precision: str = "fp32", init_fn: InitFn | None = None,
                 weights: str | Path | None = None, strict: bool = True) -> ParallelModule:
     """Wrap an unmodified model so that it trains across this job's processes.
@@ -192,7 +192,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     and `loss.backward()` gives the gradients of single-process training on the global batch. Without it,
     `model(*inputs)` returns this rank's rows of the output, and gradients average over ranks as with DDP.
 
-    `stages`, `replicas`, `micro_batches`, `schedule` and `sharding` fix what the planner would choose; `plan`
+    `stages`, `replicas`, `micro_batches`, `schedule`, `recompute` (every stage, or none) and `sharding` fix
+    what the planner would choose; `plan`
     takes a saved plan (a path or a Plan). `sharding="optimizer"` (ZeRO-1): the replicas of each stage split
     the optimizer's state among themselves; `"none"`: each keeps all of it. `precision="bf16"` or `"fp16"`
     computes under torch.autocast with the float32 weights and optimizer state as the master copy (outputs
@@ -223,7 +224,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         check_sharding(sharding)
     check_precision(precision, world.device)
     constraints = Constraints(stages=stages, replicas=replicas, micro_batches=micro_batches, schedule=schedule,
-                              sharding=sharding, precision=precision, user_loss=loss_fn is None)
+                              recompute=recompute, sharding=sharding, precision=precision, user_loss=loss_fn is None)
     if schedule is not None and not constraints.allows_schedule(schedule):
         raise PlanError(user_loss_problem(schedule))
     # from now on partita.shutdown() tells the other ranks when this one stops calling the model

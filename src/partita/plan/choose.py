@@ -83,7 +83,10 @@ def to_plan(graph: ModelGraph, model: CostModel, best: Candidate, result: Search
             ranks=tuple(model.ranks[s]), num_params=len(graph.params_of(a, b)), param_bytes=c.param_bytes,
             recompute=c.recompute, sharding=c.sharding, fwd_s=c.fwd_s, bwd_s=c.bwd_s, send_s=c.send_fwd_s,
             allreduce_s=c.allreduce_s,
-            memory={"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
+            # "activations": what the rank holds beside its weights at its peak, the activations kept for the
+            # backward or, when larger, what the optimizer's step allocates ("step")
+            memory={"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
+                    "activations": max(m.activations, m.step_transient), "step": m.step_transient,
                     "buffers": m.buffers, "overhead": cluster.overhead_bytes},
             memory_bytes=rank_total[position[s]],
         ))

@@ -1,7 +1,8 @@
 """Time and memory of one stage under one layout: the planner's cost model (pure Python).
 
 Memory of a rank = parameters + gradients (one copy: gradient accumulation over calls, which holds a second,
-is not planned for) + optimizer state (copies of the parameters the user's optimizer
+is not planned for) + optimizer state + the larger of the activations and what the optimizer's step allocates
+while it runs (copies of the parameters the user's optimizer
 keeps: SGD 0, SGD with momentum 1, Adam 2) + activations kept for the backward (per micro-batch, times the
 micro-batches the schedule holds at once on that stage; with recomputation only the stage's inputs are kept,
 plus one micro-batch's activations while it is recomputed) + communication buffers (torch's PipelineStage
@@ -60,10 +61,12 @@ class Memory:
     optimizer: int
     activations: int
     buffers: int
+    # what the optimizer's step allocates while it runs, after the backward freed the activations
+    step_transient: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        return self.params + self.grads + self.optimizer + self.buffers + max(self.activations, self.step_transient)
 
 
 @dataclass(frozen=True)
@@ -186,11 +189,16 @@ class CostModel:
         # a pipeline's fresh gradients become .grad in place; only accumulating over calls (.grad already set)
         # holds a second copy, which the runtime logs (runtime.grads)
         grads = params
-        buffers = ((self.layout.micro_batches * (in_bytes + out_bytes) if self.pipelined else 0)
-                   + min(params, GRAD_BUCKET_BYTES))
+        # a pipeline sums gradients one bucket at a time; torch's DDP keeps a bucket for every gradient
+        buffers = (self.layout.micro_batches * (in_bytes + out_bytes) + min(params, GRAD_BUCKET_BYTES)
+                   if self.pipelined else params)
         kept = (in_bytes * held + acts) if recompute else acts * held
-        optimizer = params * self.optimizer_factor * self._optimizer_share(sharding)
-        return Memory(int(params), int(grads), int(optimizer), int(kept), int(buffers))
+        share = self._optimizer_share(sharding)
+        optimizer = params * self.optimizer_factor * share
+        # torch's multi-tensor Adam-like steps (two or more copies of state) take the square root of the second
+        # moment into a new tensor of the parameters' size, of the parameters the replica steps
+        transient = params * share if self.optimizer_factor >= 2 else 0
+        return Memory(int(params), int(grads), int(optimizer), int(kept), int(buffers), int(transient))
 
     def forward_s(self, start: int, stop: int) -> float:
         """Seconds of one micro-batch's forward through blocks [start, stop) as one stage."""

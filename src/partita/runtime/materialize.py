@@ -18,6 +18,8 @@ meta tensor of the same shape: names, shapes and `state_dict()` keys stay whole 
 
 from __future__ import annotations
 
+import ctypes
+import gc
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -101,6 +103,19 @@ def materialize(module: nn.Module, optimizer: torch.optim.Optimizer | None, keep
         if t is not p.tensor:
             replaced[id(p.tensor)] = t
     _repoint(optimizer, replaced)
+    del places, kept, from_file, rest, replaced
+    _release_freed_memory()
+
+
+def _release_freed_memory() -> None:
+    """Give the memory of the tensors this rank dropped back to the system. Every rank went through the whole
+    model (broadcast buckets, initializations); glibc's malloc keeps freed blocks below its mmap threshold, which
+    rises to 32 MiB after freeing a big one, in its heap, still resident, though the rank keeps only its part."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim, or the allocator returns memory itself
+        pass
 
 
 def check_devices(module: nn.Module, device: torch.device) -> None:
