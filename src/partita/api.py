@@ -30,7 +30,7 @@ from partita.runtime.batch import Call, local_rows, loss_of, split_target
 from partita.runtime.build import build_runtime
 from partita.runtime.materialize import Initial, InitFn, check_devices, initial_of
 from partita.runtime.optim import optimizer_state_factor
-from partita.runtime.precision import check_precision
+from partita.runtime.precision import SCALED, check_precision
 from partita.runtime.run import Held, Runtime, in_mode
 from partita.sim import Trace
 
@@ -223,6 +223,10 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     if sharding is not None:
         check_sharding(sharding)
     check_precision(precision, world.device)
+    if precision in SCALED and optimizer is None:
+        raise PlanError("precision='fp16' needs the optimizer passed to parallelize: partita divides the scaled "
+                        "gradients in its step() and skips the step on every rank when they overflowed. Pass it "
+                        "(parallelize(model, optimizer, ...)), or use precision='bf16'.")
     constraints = Constraints(stages=stages, replicas=replicas, micro_batches=micro_batches, schedule=schedule,
                               recompute=recompute, sharding=sharding, precision=precision, user_loss=loss_fn is None)
     if schedule is not None and not constraints.allows_schedule(schedule):

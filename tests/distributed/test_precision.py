@@ -27,8 +27,29 @@ def test_bf16_losses_follow_one_process_under_autocast(pools, stages, replicas, 
     assert 2 * sum(abs(a - b) for a, b in zip(ours, r["autocast"])) < sum(abs(a - b) for a, b in zip(ours, r["fp32"]))
 
 
-def test_fp16_without_loss_scaling_is_refused(pools):
+@pytest.mark.parametrize("stages,replicas,micro_batches", [(1, 2, 1), (2, 1, 2)])
+def test_fp16_losses_follow_one_process_with_torchs_loss_scaling(pools, stages, replicas, micro_batches):
+    """float16 under autocast with partita's loss scaling against one process with torch.amp.GradScaler. Same
+    tolerance argument as bf16, with float16's unit roundoff (2^-11): half of it."""
+    results = pools.run(2, "support.cases:precision_losses", "gpt", "fp16", stages=stages, replicas=replicas,
+                        micro_batches=micro_batches)
+    r = results[0]
+    assert r["plan"][:3] == (stages, replicas, micro_batches) and r["precision"] == "fp16"
+    assert all(x["partita"] == r["partita"] for x in results)
+    ours = [float.fromhex(v) for v in r["partita"]]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours, r["autocast"]))
+    assert worst <= 2.0 ** -12, f"losses differ by {worst:.2e} of the reference's"
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_fp16_overflow_skips_the_step_on_every_rank(pools, stages):
+    for r in pools.run(2, "support.cases:fp16_overflow", stages=stages):
+        assert r["kept_after_overflow"] and r["scale_after_overflow"] == 2.0 ** 59, r
+        assert r["grads_finite"] and r["moved_after"], r
+
+
+def test_fp16_without_the_optimizer_is_refused(pools):
     from test_bad_input import errors
 
-    msg = errors(pools.run(2, "support.cases:bad_input", "fp16"), "PlanError")
-    assert "precision='fp16' needs dynamic loss scaling" in msg and "precision='bf16'" in msg
+    msg = errors(pools.run(2, "support.cases:bad_input", "fp16_without_optimizer"), "PlanError")
+    assert "precision='fp16' needs the optimizer passed to parallelize" in msg

@@ -185,6 +185,8 @@ def precision_losses(name: str, precision: str, *, steps: int = 5, local_batch: 
     rank, world = partita.get_rank(), partita.get_world_size()
     gen = torch.Generator().manual_seed(1)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    # float16 in one process: torch's own loss scaling, with partita's starting scale
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, enabled=precision == "fp16")
     losses: dict[str, list] = {"partita": [], "autocast": [], "fp32": []}
     for _ in range(steps):
         args, kwargs, target = case.batch(world * local_batch, gen)
@@ -192,15 +194,46 @@ def precision_losses(name: str, precision: str, *, steps: int = 5, local_batch: 
         loss = pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine))
         loss.backward()
         losses["partita"].append(float(loss.detach()).hex())
-        for kind, ref in (("autocast", low), ("fp32", full)):
+        opts[0].step()
+        for kind, ref, opt in (("autocast", low, opts[1]), ("fp32", full, opts[2])):
             with torch.autocast("cpu", dtype=dtype, enabled=kind == "autocast"):
                 ref_loss = case.loss_fn(ref(*args, **kwargs), target)
-            ref_loss.backward()
             losses[kind].append(float(ref_loss.detach()))
+            if kind == "autocast":
+                scaler.scale(ref_loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                ref_loss.backward()
+                opt.step()
         for opt in opts:
-            opt.step()
             opt.zero_grad()
     return {**losses, "plan": _summary(pm.plan), "precision": pm.plan.precision}
+
+
+@mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
+def fp16_overflow(**plan_args) -> dict:
+    """float16 with a loss scale so high that the first step's gradients overflow: that step must be skipped on
+    every rank (the parameters stay) and the scale halve; a later step at a sane scale trains."""
+    torch.manual_seed(0)
+    model = CASES["mlp"].make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mock.patch("partita.runtime.precision.INITIAL_LOSS_SCALE", 2.0 ** 60):
+        pm = partita.parallelize(model, opt, loss_fn=torch.nn.MSELoss(), precision="fp16", **plan_args)
+        x, y = torch.randn(8, 32), torch.randn(8, 32)
+        pm(x, y).backward()
+    before = {n: pm.get_param(n) for n, _ in model.named_parameters()}
+    opt.step()
+    opt.zero_grad()
+    kept = all(torch.equal(pm.get_param(n), v) for n, v in before.items())
+    scale = pm.runtime.loss_scale.scale
+    pm.runtime.loss_scale.scale = 2.0 ** 8
+    pm(x, y).backward()
+    grads_finite = all(bool(torch.isfinite(pm.get_param_grad(n)).all()) for n in before)
+    opt.step()
+    moved = any(not torch.equal(pm.get_param(n), v) for n, v in before.items())
+    return {"kept_after_overflow": kept, "scale_after_overflow": scale, "grads_finite": grads_finite,
+            "moved_after": moved}
 
 
 def _other_weights(model: torch.nn.Module, path: str) -> dict[str, torch.Tensor]:
@@ -515,7 +548,7 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
                 scaled = torch.nn.Sequential(torch.nn.Linear(32, 32), _Scale(32))
             pm = partita.parallelize(scaled, loss_fn=torch.nn.MSELoss(), stages=2)
             pm(x, y)
-        elif scenario == "fp16":
+        elif scenario == "fp16_without_optimizer":
             partita.parallelize(model, loss_fn=torch.nn.MSELoss(), precision="fp16")
         elif scenario == "meta_on_one_rank":
             with torch.device("meta" if rank == 1 else "cpu"):

@@ -8,7 +8,9 @@
    optimizer's state kept where its parameters train; or, for one stage and one micro-batch, the whole
    module under torch's DistributedDataParallel;
 4. sharding: where the plan says so, each replica of a stage keeps its share of the optimizer's state
-   (`sharding.py`).
+   (`sharding.py`);
+5. precision: float16's loss scale takes over the optimizer's step (`precision.py`; autocast itself wraps
+   each stage's forward).
 
 Later parallelisms take their place in this order (tensor parallelism and recomputation before sharding,
 precision after it, each applied to the stages of step 3), so that each lands here and nowhere else.
@@ -28,6 +30,7 @@ from partita.runtime.groups import stage_groups
 from partita.runtime.materialize import Initial, materialize
 from partita.runtime.ownership import named_state, ownership
 from partita.runtime.pipeline_parallel import PipelineParallel
+from partita.runtime.precision import SCALED
 from partita.runtime.run import Runtime
 
 
@@ -49,4 +52,6 @@ def build_runtime(module: nn.Module, cap: CapturedGraph, graph: ModelGraph, plan
                                    world_size=world_size, device=device, signature_key=first_call.signature.key)
     if optimizer is not None and any(s.sharding != "none" for s in plan.stages):
         runtime.shard_optimizer_state(optimizer, stage_groups(plan))
+    if optimizer is not None and plan.precision in SCALED:
+        runtime.scale_loss(optimizer)
     return runtime

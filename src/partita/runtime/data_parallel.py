@@ -36,10 +36,12 @@ class DataParallel(Runtime):
             with autocast(self.plan.precision, self.device):
                 out = as_captured(self.ddp(*call.args, **call.kwargs), self.out_dtypes)
         if self.loss is None:
-            return torch.utils._pytree.tree_map(
+            result = torch.utils._pytree.tree_map(
                 lambda t: global_loss(t, "mean", call.rows) if isinstance(t, torch.Tensor) and t.dim() == 0 else t,
                 out)
-        return global_loss(self.loss.fn(out, call.target), self.loss.reduction, call.rows)
+        else:
+            result = global_loss(self.loss.fn(out, call.target), self.loss.reduction, call.rows)
+        return self.loss_scale.scaling(result) if self.loss_scale is not None else result
 
     def settle_buckets(self, call: Call) -> None:
         """One throwaway forward and backward through DDP, whose effects are undone (gradients, buffers, random

@@ -70,8 +70,14 @@ class PipelineParallel(Runtime):
     def _requires_grad(self) -> tuple:
         return tuple(p.requires_grad for p in self.parameters.values())
 
+    def scale_loss(self, optimizer: torch.optim.Optimizer) -> None:
+        super().scale_loss(optimizer)
+        for engine in self.engines.values():
+            engine.loss_scale = self.loss_scale
+
     def _engine(self, cap: CapturedGraph, stage_of_unit: list[int]) -> Engine:
         engine = Engine(cap, stage_of_unit, self.place, self.grads, self.anchor)
+        engine.loss_scale = self.loss_scale
         check_ownership(engine.graphs, self.ownership.stage_params)
         return engine
 

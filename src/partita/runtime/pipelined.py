@@ -34,6 +34,7 @@ from partita.plan.plan import Plan, check_batch
 from partita.runtime.batch import Loss
 from partita.runtime.grads import GradSync
 from partita.runtime.pipeline import Pipeline
+from partita.runtime.precision import LossScale
 from partita.runtime.route import Replica, TensorSpec
 from partita.runtime.state import broadcast_tensors
 from partita.schedule import Action
@@ -79,6 +80,7 @@ class Engine:
                                 "to false for that stage.")
         self.stage0_inputs = [cap.user_inputs.index(n) for n in self.graphs[0].inputs]
         self.out_nodes = [o for o in cap.outputs if isinstance(o, fx.Node)]
+        self.loss_scale: LossScale | None = None  # float16: backwards run on the loss times its scale
         self._pipelines: OrderedDict = OrderedDict()
         self._last: Pipeline | None = None
         local = plan.stages_of(place.rank)
@@ -166,8 +168,11 @@ class Engine:
         p, plan = self.place, self.plan
         self._sync_buffers()
 
+        scale = self._scale()
+
         def stage_loss(flat_out, tgt):
-            return loss.fn(self._unflatten(list(flat_out)), tgt)
+            # the pipeline keeps the first call's function: it reads the scale of the call it runs in
+            return loss.fn(self._unflatten(list(flat_out)), tgt) * self._scale()
 
         pipe = self._pipeline(micro_batch_rows, True, stage_loss)
         inputs = self._gather_inputs(tensors)
@@ -178,11 +183,11 @@ class Engine:
         mean = loss.reduction == "mean"
         denominator = plan.num_replicas * plan.micro_batches if mean else 1
         total = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=p.device)
-        value = self._global_sum(total.to(torch.float32).reshape(())) / denominator
+        value = self._global_sum(total.to(torch.float32).reshape(())) / denominator / scale
         input_grads = self._scatter_input_grads(inputs, tensors, 1.0 / denominator)
         users = [t for k, t in enumerate(tensors) if t.requires_grad and k in self.stage0_inputs]
         step = _HeldGradients(self.grads, fresh, 1.0 / denominator, input_grads,
-                              value.to(_loss_dtype(losses, value)))
+                              value.to(_loss_dtype(losses, value)), self.loss_scale)
         return _Loss.apply(step, self.anchor, *users)
 
     # ---- everything else: forward now, backward (if any) when the user's loss gets here ----------
@@ -242,6 +247,9 @@ class Engine:
             leaves[k] = self._global_sum(s.clone()) / (plan.num_replicas * plan.micro_batches)
         return leaves
 
+    def _scale(self) -> float:
+        return self.loss_scale.scale if self.loss_scale is not None else 1.0
+
     def _unflatten(self, tensor_leaves: list):
         it = iter(tensor_leaves)
         leaves = [next(it) if isinstance(o, fx.Node) else o for o in self.cap.outputs]
@@ -266,12 +274,15 @@ def _loss_dtype(losses, value) -> torch.dtype:
 class _HeldGradients:
     """Gradients a fused step produced, waiting for the user's loss.backward()."""
 
-    def __init__(self, grads: GradSync, fresh: dict, scale: float, input_grads: list, value: torch.Tensor):
+    def __init__(self, grads: GradSync, fresh: dict, scale: float, input_grads: list, value: torch.Tensor,
+                 loss_scale: LossScale | None):
         self.grads, self.fresh, self.scale, self.input_grads = grads, fresh, scale, input_grads
-        self.value = value
+        self.value, self.loss_scale = value, loss_scale
 
     def apply(self, grad_output: torch.Tensor) -> list:
         self.grads.apply(self.fresh, self.scale * grad_output)
+        if self.loss_scale is not None:
+            self.loss_scale.scaled = True
         return [g * grad_output for g in self.input_grads]
 
 
@@ -319,10 +330,12 @@ class _PendingBackward:
                           if grad_leaves[k] is not None and out[k].requires_grad]
                 if not terms:  # the user's loss did not use any output: a zero that still reaches the stages
                     terms = [o.sum() * 0 for o in out if o.requires_grad]
-                losses.append(sum(terms))
+                losses.append(sum(terms) * e._scale())
         saved = e.grads.stash()
         self.pipe.backward(losses)
         e.grads.apply(e.grads.take(saved), 1.0)
+        if e.loss_scale is not None:
+            e.loss_scale.scaled = True
         self.outs = None
         return e._scatter_input_grads(self.inputs, self.tensors, float(p.world_size))
 

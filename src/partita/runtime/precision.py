@@ -1,5 +1,6 @@
 """Mixed precision (the plan's `precision`): stages compute in bfloat16 or float16 under torch.autocast, with the
-float32 weights and optimizer state the model has as the master copy.
+float32 weights and optimizer state the model has as the master copy. float16 scales the loss dynamically
+(`LossScale`), as torch.amp.GradScaler does, with one decision for all ranks.
 
 Why autocast rather than low-precision copies of the parameters (FSDP2's MixedPrecisionPolicy): it keeps no
 second copy of the weights between steps, works alike for DDP, pipelines and sharding, and computes what the
@@ -14,16 +15,23 @@ replays the forward's casts.
 from __future__ import annotations
 
 import contextlib
+import logging
+import types
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
 from partita.errors import PlanError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# precisions refused until partita scales the loss: float16's range is too narrow for gradients unscaled
-UNSCALED = ("fp16",)
+SCALED = ("fp16",)  # float16's range is too narrow for gradients: its loss is scaled
+# torch.amp.GradScaler's defaults: start high, halve on an overflow, double after this many clean steps
+INITIAL_LOSS_SCALE = 2.0 ** 16
+GROWTH_INTERVAL = 2000
+
+log = logging.getLogger("partita")
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -39,10 +47,6 @@ def check_precision(precision: str, device: torch.device) -> None:
         return
     if precision not in DTYPES:
         raise PlanError(f"unknown precision {precision!r}; choose one of fp32, {', '.join(DTYPES)}")
-    if precision in UNSCALED:
-        raise PlanError(f"precision={precision!r} needs dynamic loss scaling, which this partita version does not "
-                        "have yet (float16 gradients would underflow silently): use precision='bf16', which needs "
-                        "none, or 'fp32'.")
     try:
         with autocast(precision, device):
             torch.nn.functional.linear(torch.ones(2, 2, device=device), torch.ones(2, 2, device=device))
@@ -71,3 +75,72 @@ class LowPrecision(nn.Module):
         with autocast(self.precision, self.device):
             out = self.stage(*args)
         return as_captured(out, self.out_dtypes)
+
+
+class LossScale:
+    """float16's dynamic loss scale, the same on every rank. The backward runs on the loss times `scale`, so
+    that small gradients survive in float16; parameter gradients are divided by it again before anything reads
+    them (the optimizer's step, partita's gradient norm and get_param_grad). When any rank's gradients
+    overflowed, every rank skips that optimizer step, the scale halves and the log says so; after
+    GROWTH_INTERVAL clean steps it doubles. Gradients of the inputs stay scaled, as with torch.amp.GradScaler."""
+
+    def __init__(self, params: list[nn.Parameter], device: torch.device):
+        self.params, self.device = params, device
+        self.scale = INITIAL_LOSS_SCALE
+        self.clean_steps = 0
+        self.scaled = False  # .grad holds gradients of the scaled loss
+
+    def scaling(self, value):
+        """`value` (any structure of tensors), whose gradients are multiplied by the scale on their way back."""
+        return pytree.tree_map_only(torch.Tensor, lambda t: _Scaled.apply(t, self) if t.requires_grad else t,
+                                    value)
+
+    def unscale(self) -> None:
+        if not self.scaled:
+            return
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(self.scale)
+        self.scaled = False
+
+    def take_over_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """optimizer.step() unscales first, and is skipped on every rank when any rank's gradients overflowed."""
+        own_step = optimizer.step
+
+        def step(opt, *args, **kwargs):
+            self.unscale()
+            if self._overflowed():
+                log.warning("partita: float16 gradients overflowed at loss scale %g: every rank skips this "
+                            "optimizer step; the scale is now %g", self.scale, self.scale / 2)
+                self.scale /= 2
+                self.clean_steps = 0
+                return None
+            self.clean_steps += 1
+            if self.clean_steps == GROWTH_INTERVAL:
+                self.scale *= 2
+                self.clean_steps = 0
+            return own_step(*args, **kwargs)
+
+        optimizer.step = types.MethodType(step, optimizer)
+
+    def _overflowed(self) -> bool:
+        local = any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in self.params)
+        flag = torch.tensor([float(local)], device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+class _Scaled(torch.autograd.Function):
+    """The identity whose backward multiplies the gradient by the loss scale (and notes that it did)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, loss_scale: LossScale):
+        ctx.loss_scale = loss_scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.loss_scale.scaled = True
+        return grad * ctx.loss_scale.scale, None

@@ -19,6 +19,7 @@ from partita.plan.plan import Plan
 from partita.runtime.batch import Call
 from partita.runtime.optim import patch_optimizer
 from partita.runtime.ownership import Ownership
+from partita.runtime.precision import LossScale
 from partita.runtime.sharding import OptimizerSharding, state_keepers
 from partita.runtime.state import broadcast_from_owners, gather_optimizer_state, landing
 
@@ -71,6 +72,7 @@ class Runtime:
         self.optimizer: torch.optim.Optimizer | None = None
         # parameter (first name) -> the replica of its stage that keeps its optimizer state, where sharded
         self.keepers: dict[str, int] = {}
+        self.loss_scale: LossScale | None = None  # float16's (precision.py)
 
     def __call__(self, call: Call):
         raise NotImplementedError
@@ -117,6 +119,19 @@ class Runtime:
                           stage_groups, self.rank, self.device)
         self.keep_optimizer_state_here(optimizer)
 
+    def scale_loss(self, optimizer: torch.optim.Optimizer) -> None:
+        """float16: the backward runs on the scaled loss, and `optimizer.step()` unscales, or skips on every rank
+        when gradients overflowed anywhere (precision.LossScale)."""
+        local = self.trained_here()
+        self.loss_scale = LossScale([p for p in {id(p): p for p in self.parameters.values()}.values()
+                                     if id(p) in local], self.device)
+        self.loss_scale.take_over_step(optimizer)
+
+    def _unscaled(self) -> None:
+        """Gradients as the loss gives them, before anything partita reads of them."""
+        if self.loss_scale is not None:
+            self.loss_scale.unscale()
+
     def held(self) -> Held:
         local = self.trained_here()
         named = self.module.state_dict(keep_vars=True)
@@ -134,6 +149,8 @@ class Runtime:
 
     def parameter(self, name: str, grad: bool) -> torch.Tensor | None:
         """Parameter `name` (or its gradient), the same on every rank."""
+        if grad:
+            self._unscaled()
         p = self.parameters[name]
         t = p.grad if grad else p
         if not self.split_gradients:
@@ -151,6 +168,7 @@ class Runtime:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their norm over the whole model (each parameter counted once, on its owner)."""
+        self._unscaled()
         first = first_names(self.module)
         params = [self.parameters[name] for name in first.values()]
         counted = [p.grad for p, name in zip(params, first.values())
