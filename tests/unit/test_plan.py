@@ -61,7 +61,7 @@ def test_sharding_the_optimizer_state_lets_data_parallel_fit():
     (stage,) = plan.stages
     assert stage.sharding == "optimizer"
     assert stage.memory["optimizer"] == stage.memory["params"] * 2 // 8
-    assert any("(ZeRO-1) on stage(s) [0]" in r and "without it they do not fit" in r for r in plan.reasons)
+    assert any("(ZeRO-1) on stage(s) [0]" in r and "stage(s) [0] would not fit without it" in r for r in plan.reasons)
     assert " optimizer " in plan.explain().splitlines()[2]
 
 
@@ -70,6 +70,8 @@ def test_sharding_fixed_by_the_caller():
     plan = choose_plan(graph, profile, cluster(8, 10**4), global_batch=64, optimizer_factor=2,
                        constraints=Constraints(stages=2, sharding="optimizer"))
     assert {s.sharding for s in plan.stages} == {"optimizer"}
+    assert any("fixed by the caller" in r and "sharding=optimizer" in r for r in plan.reasons)
+    assert not any("(ZeRO-1) on stage(s)" in r for r in plan.reasons)
 
 
 def test_adam_needs_more_memory_than_sgd():

@@ -225,22 +225,28 @@ def _reasons(model: CostModel, chosen: Candidate, constraints: Constraints, resu
         out.append(f"recomputation on stage(s) {[s.index for s in plan.stages if s.recompute]} to fit memory")
     elif constraints.recompute is None:
         out.append(_no_recomputation_reason(model, chosen, plan))
-    if any(s.sharding != "none" for s in plan.stages):
+    if any(s.sharding != "none" for s in plan.stages) and constraints.sharding is None:
         out.append(_sharding_reason(model, chosen, plan))
     return tuple(out)
 
 
 def _sharding_reason(model: CostModel, chosen: Candidate, plan: Plan) -> str:
-    """Why stages shard their optimizer state: what each replica keeps, and whether they would fit without."""
-    sharded = [c for c in chosen.stages if c.sharding != "none"]
-    whole = [c.param_bytes * model.optimizer_factor for c in sharded]
-    fits_whole = all(c.memory.total - c.memory.optimizer + w <= model.capacity for c, w in zip(sharded, whole))
-    why = (f"it shortens the step: each replica steps its share of the parameters, and sending their new values "
-           f"to the others takes {max(c.gather_s for c in sharded):.3g} s" if fits_whole else
-           "without it they do not fit")
+    """Why stages shard their optimizer state: what each replica keeps, and for each stage whether it would fit
+    without, or shards because its step is shorter (the optimizer steps the replica's share)."""
+    sharded = [(i, c, c.param_bytes * model.optimizer_factor) for i, c in enumerate(chosen.stages)
+               if c.sharding != "none"]
+    needs = [i for i, c, whole in sharded if c.memory.total - c.memory.optimizer + whole > model.capacity]
+    faster = [i for i, _, _ in sharded if i not in needs]
+    why = []
+    if needs:
+        why.append(f"stage(s) {needs} would not fit without it")
+    if faster:
+        gather = max(c.gather_s for i, c, _ in sharded if i in faster)
+        why.append(f"stage(s) {faster} step faster with it (each replica steps its share of the parameters; "
+                   f"sending their new values to the others takes {gather:.3g} s)")
     return (f"optimizer state sharded over each stage's {plan.num_replicas} replicas (ZeRO-1) on stage(s) "
-            f"{[plan.stages[i].index for i, c in enumerate(chosen.stages) if c.sharding != 'none']}: a replica "
-            f"keeps {size(max(c.memory.optimizer for c in sharded))} of it instead of {size(max(whole))}; {why}")
+            f"{[i for i, _, _ in sharded]}: a replica keeps {size(max(c.memory.optimizer for _, c, _ in sharded))} "
+            f"of it instead of {size(max(w for _, _, w in sharded))}; {'; '.join(why)}")
 
 
 def _search_reason(result: SearchResult, plan: Plan) -> str:
