@@ -49,3 +49,17 @@ def test_weights_missing_a_tensor(pools, tmp_path):
     msg = errors(pools.run(2, "support.cases:bad_input", "weights_missing", str(tmp_path / "w.pt")),
                  "CheckpointError")
     assert "does not fit this model" in msg and "layers.1.bias" in msg
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
+def test_hugging_face_model_on_the_meta_device_with_its_own_init(pools, name):
+    """init_fn=model._init_weights initializes what reset_parameters() does not (Llama's rotary frequencies,
+    GPT-2's Conv1D): training runs, every rank holds its part only and nothing it holds is left uninitialized.
+    (Hugging Face's _init_weights reinitializes some children's tensors from their parents, so the values follow
+    the same distributions as the CPU-built model's, not the same bits: README.)"""
+    results = pools.run(2, "support.cases:hf_on_meta", name, stages=2, micro_batches=2)
+    losses = [float.fromhex(v) for v in results[0]["losses"]]
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+    assert all(r["finite"] for r in results) and all(0 < v < 10 for v in losses)
+    held = [set(r["held"]) for r in results]
+    assert all(h < set(results[0]["every"]) for h in held) and set().union(*held) == set(results[0]["every"])

@@ -212,6 +212,33 @@ def precision_losses(name: str, precision: str, *, steps: int = 5, local_batch: 
 
 
 @mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
+def hf_on_meta(name: str, steps: int = 3, **plan_args) -> dict:
+    """A Hugging Face model built on the meta device, initialized by its own _init_weights (init_fn), trained:
+    the global losses, what this rank holds, and whether every tensor it holds is finite."""
+    case = CASES[name]
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = case.make()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    pm = partita.parallelize(model, opt, loss_fn=case.loss_fn, init_fn=model._init_weights, **plan_args)
+    gen = torch.Generator().manual_seed(1)
+    rank, world, rows = partita.get_rank(), partita.get_world_size(), 4
+    losses = []
+    for _ in range(steps):
+        args, kwargs, target = case.batch(world * rows, gen)
+        mine = slice(rank * rows, (rank + 1) * rows)
+        loss = pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()).hex())
+    state = model.state_dict(keep_vars=True)
+    held = sorted(n for n, t in state.items() if not t.is_meta)
+    finite = all(bool(torch.isfinite(state[n]).all()) for n in held if state[n].is_floating_point())
+    return {"losses": losses, "held": held, "every": sorted(state), "finite": finite}
+
+
+@mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
 def fp16_overflow(**plan_args) -> dict:
     """float16 with a loss scale so high that the first step's gradients overflow: that step must be skipped on
     every rank (the parameters stay) and the scale halve; a later step at a sane scale trains."""
