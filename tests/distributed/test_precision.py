@@ -43,8 +43,11 @@ def test_fp16_losses_follow_one_process_with_torchs_loss_scaling(pools, stages, 
 
 @pytest.mark.parametrize("stages", [1, 2])
 def test_fp16_overflow_skips_the_step_on_every_rank(pools, stages):
+    """A forced overflow everywhere (loss scale 2^60), then one in a gradient only rank 1 holds: each time every
+    rank skips the step; at a sane scale the next step trains."""
     for r in pools.run(2, "support.cases:fp16_overflow", stages=stages):
         assert r["kept_after_overflow"] and r["scale_after_overflow"] == 2.0 ** 59, r
+        assert r["kept_after_one_rank_overflowed"], r
         assert r["grads_finite"] and r["moved_after"], r
 
 

@@ -254,13 +254,21 @@ def fp16_overflow(**plan_args) -> dict:
     opt.zero_grad()
     kept = all(torch.equal(pm.get_param(n), v) for n, v in before.items())
     scale = pm.runtime.loss_scale.scale
+    # an overflow on one rank only (in a gradient only it holds): every rank must skip that step
+    pm.runtime.loss_scale.scale = 2.0 ** 8
+    pm(x, y).backward()
+    if partita.get_rank() == 1:
+        next(p for p in model.parameters() if not p.is_meta and p.grad is not None).grad[0] = float("inf")
+    opt.step()
+    opt.zero_grad()
+    kept_after_one_rank = all(torch.equal(pm.get_param(n), v) for n, v in before.items())
     pm.runtime.loss_scale.scale = 2.0 ** 8
     pm(x, y).backward()
     grads_finite = all(bool(torch.isfinite(pm.get_param_grad(n)).all()) for n in before)
     opt.step()
     moved = any(not torch.equal(pm.get_param(n), v) for n, v in before.items())
     return {"kept_after_overflow": kept, "scale_after_overflow": scale, "grads_finite": grads_finite,
-            "moved_after": moved}
+            "moved_after": moved, "kept_after_one_rank_overflowed": kept_after_one_rank}
 
 
 def _other_weights(model: torch.nn.Module, path: str) -> dict[str, torch.Tensor]:
