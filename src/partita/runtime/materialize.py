@@ -87,11 +87,13 @@ def materialize(module: nn.Module, optimizer: torch.optim.Optimizer | None, keep
     in_file = initial.weights.names() if initial.weights is not None else frozenset()
     from_file = [p for p in kept if in_file.intersection(p.names)]
     rest = [p for p in places if not in_file.intersection(p.names)]
-    if from_file:
+    if initial.weights is not None:
+        # every rank takes part, those that read nothing from the file too: a failed read anywhere stops all
+        named = [(next(n for n in p.names if n in in_file), p) for p in from_file]
         with agreement.together("reading weights="):
-            values = initial.weights.read([next(n for n in p.names if n in in_file) for p in from_file], device)
-        for p, value in zip(from_file, values.values()):
-            p.value = value
+            values = initial.weights.read([n for n, _ in named], device) if named else {}
+        for name, p in named:
+            p.value = values[name]
     _broadcast_kept([p for p in rest if not p.tensor.is_meta], keep, device)
     meta = [p for p in rest if p.tensor.is_meta]
     if meta:
