@@ -110,4 +110,8 @@ def _make_plan(graph: ModelGraph, global_batch: int, profile: Profile | None, cl
             "to let partita plan.")
     if not request.constraints.allows_schedule(plan.schedule):
         raise PlanError(f"the plan given runs {plan.schedule}. {user_loss_problem(plan.schedule)}")
+    if plan.precision != request.constraints.precision:
+        raise PlanError(f"the plan given computes in {plan.precision}, but parallelize was asked for "
+                        f"precision={request.constraints.precision!r}: pass precision={plan.precision!r} with this "
+                        "plan, or drop plan=... to let partita plan in the precision you want.")
     return plan.validate(env.world().world_size)

@@ -56,3 +56,12 @@ def test_fp16_without_the_optimizer_is_refused(pools):
 
     msg = errors(pools.run(2, "support.cases:bad_input", "fp16_without_optimizer"), "PlanError")
     assert "precision='fp16' needs the optimizer passed to parallelize" in msg
+
+
+def test_a_plan_given_in_another_precision_is_refused(pools, tmp_path):
+    from test_bad_input import errors
+
+    path = str(tmp_path / "plan.json")
+    pools.run(2, "support.cases:bad_input", "save_plan", path)  # an fp32 plan
+    msg = errors(pools.run(2, "support.cases:bad_input", "plan_in_other_precision", path), "PlanError")
+    assert "the plan given computes in fp32, but parallelize was asked for precision='bf16'" in msg

@@ -543,6 +543,10 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
             pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), plan=plan_path)
             pm(x, y).backward()
             return {"error": None, "plan": pm.plan.to_dict()}
+        elif scenario == "plan_in_other_precision":
+            pm = partita.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=torch.nn.MSELoss(),
+                                     plan=plan_path, precision="bf16")
+            pm(x, y)
         elif scenario == "plan_for_other_model":
             other = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
             pm = partita.parallelize(other, loss_fn=torch.nn.MSELoss(), plan=plan_path)
