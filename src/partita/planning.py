@@ -22,6 +22,7 @@ from partita.graph.profile import roofline_profile
 from partita.launch import env
 from partita.plan import Constraints, Plan, choose_plan
 from partita.plan.choose import user_loss_problem
+from partita.plan.plan import PRECISION_DTYPES
 from partita.profile import Parallelize, device_spec, measure
 from partita.runtime import agreement
 from partita.runtime.precision import DTYPES
@@ -91,8 +92,7 @@ def _measure(cap: CapturedGraph, graph: ModelGraph, local_batch: int, paralleliz
         spec = device_spec(world.device)
         per_node = max(1, min(world.local_world_size, world.world_size))
         cluster = Cluster(spec, max(1, world.world_size // per_node), per_node, memory_bytes=memory)
-        dtype = str(DTYPES.get(precision, torch.float32)).removeprefix("torch.")
-        return roofline_profile(graph, spec, dtype), cluster
+        return roofline_profile(graph, spec, PRECISION_DTYPES[precision]), cluster
     return measure(cap, graph, local_batch, world.device, world.local_world_size, memory, parallelize,
                    compute_dtype=DTYPES.get(precision))
 

@@ -28,8 +28,10 @@ VERSION = 3
 SHARDING_LEVELS = ("none", "optimizer", "gradients", "parameters")
 # the levels this version's runtime runs
 RUNNABLE_SHARDING = ("none", "optimizer")
-# what the stages compute in: float32, or bfloat16 / float16 under autocast with float32 weights and state
-PRECISIONS = ("fp32", "bf16", "fp16")
+# what the stages compute in: float32, or bfloat16 / float16 under autocast with float32 weights and state;
+# by the name torch gives each dtype
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+PRECISIONS = tuple(PRECISION_DTYPES)
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,13 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 from partita.capture.export import CapturedGraph
 from partita.capture.split import StageGraph, split
@@ -70,23 +70,12 @@ def _real(value, device: torch.device):
     return pytree.tree_map_only(torch.Tensor, lambda t: stand_in(t, device) if t.is_meta else t, value)
 
 
-@contextmanager
-def _standing_in(module: nn.Module, device: torch.device) -> Iterator[None]:
+def _standing_in(module: nn.Module, device: torch.device):
     """`module`'s meta parameters and buffers replaced by stand-ins for the duration of the block."""
-    meta = [(name, t) for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-    for name, t in meta:
-        value = stand_in(t, device)
-        _set_attr(module, name, nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value)
-    try:
-        yield
-    finally:
-        for name, t in meta:
-            _set_attr(module, name, t)
-
-
-def _set_attr(module: nn.Module, name: str, value: torch.Tensor) -> None:
-    owner, _, attr = name.rpartition(".")
-    setattr(module.get_submodule(owner), attr, value)
+    values = {name: nn.Parameter(stand_in(t, device), t.requires_grad) if isinstance(t, nn.Parameter)
+              else stand_in(t, device)
+              for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta}
+    return _reparametrize_module(module, values)
 
 
 def _tiled(t: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partita.runtime.route import buckets
+
 BUCKET_BYTES = 32 * 2**20
 
 log = logging.getLogger("partita")
@@ -31,21 +33,6 @@ class ParamGroup:
     ranks: tuple[int, ...]
     group: dist.ProcessGroup | None  # None when this rank is the only member
     params: list[nn.Parameter]
-
-
-def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    out, current, size, dtype = [], [], 0, None
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > BUCKET_BYTES or p.dtype != dtype):
-            out.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-        dtype = p.dtype
-    if current:
-        out.append(current)
-    return out
 
 
 class GradSync:
@@ -72,7 +59,7 @@ class GradSync:
         """Sum `fresh` over each parameter's ranks, multiply by `scale`, add into .grad."""
         fresh = dict(fresh)
         for group in self.groups:
-            for bucket in _buckets(group.params):
+            for bucket in buckets(group.params, BUCKET_BYTES):
                 self._reduce_bucket(group, bucket, fresh)
         accumulated = 0
         for p in self.params:

@@ -31,7 +31,8 @@ from torch import nn
 from partita.errors import ModelError
 from partita.runtime import agreement
 from partita.runtime.ownership import named_state
-from partita.runtime.route import TensorSpec, pack, unpack
+from partita.runtime.route import buckets
+from partita.runtime.state import broadcast_packed
 
 InitFn = Callable[[nn.Module], None]
 
@@ -204,28 +205,10 @@ def _broadcast_kept(places: list[_Place], keep: set[str], device: torch.device) 
     """Rank 0's values of `places`, bucket by bucket; each rank takes the ones it keeps."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or not places:
         return
-    for bucket in _buckets(places):
-        specs = [TensorSpec.of(p.tensor) for p in bucket]
-        if dist.get_rank() == 0:
-            buffer = pack([p.tensor for p in bucket], device)
-        else:
-            buffer = torch.empty(sum(s.padded_nbytes for s in specs), dtype=torch.uint8, device=device)
-        dist.broadcast(buffer, src=0)
-        for p, value in zip(bucket, unpack(buffer, specs)):
+    for bucket in buckets(places, BROADCAST_BUCKET_BYTES, lambda p: p.tensor):
+        for p, value in zip(bucket, broadcast_packed([p.tensor for p in bucket], 0, device)):
             if keep.intersection(p.names):
                 p.value = value.clone()
-
-
-def _buckets(places: list[_Place]) -> Iterable[list[_Place]]:
-    bucket, size = [], 0
-    for p in places:
-        bucket.append(p)
-        size += TensorSpec.of(p.tensor).padded_nbytes
-        if size >= BROADCAST_BUCKET_BYTES:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
 
 
 def _initialize(module: nn.Module, meta: list[_Place], keep: set[str], initial: Initial) -> None:

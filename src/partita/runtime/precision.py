@@ -24,8 +24,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from partita.errors import PlanError
+from partita.plan.plan import PRECISION_DTYPES
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# the dtypes autocast computes in (float32 needs none)
+DTYPES = {p: getattr(torch, name) for p, name in PRECISION_DTYPES.items() if p != "fp32"}
 SCALED = ("fp16",)  # float16's range is too narrow for gradients: its loss is scaled
 # torch.amp.GradScaler's defaults: start high, halve on an overflow, double after this many clean steps
 INITIAL_LOSS_SCALE = 2.0 ** 16

@@ -8,10 +8,14 @@ together as one byte buffer: one collective per exchange, not one per tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,26 @@ def pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     for t, view in zip(tensors, unpack(buffer, specs)):
         view.copy_(t.detach())
     return buffer
+
+
+def buckets(items: list[T], limit_bytes: int, tensor_of: Callable[[T], torch.Tensor] = lambda t: t) -> list[list[T]]:
+    """`items` in order, cut into runs of one dtype whose tensors take at most `limit_bytes` together (a tensor
+    bigger than that alone): one collective each, with bounded memory."""
+    out: list[list[T]] = []
+    current: list[T] = []
+    size, dtype = 0, None
+    for item in items:
+        t = tensor_of(item)
+        nbytes = t.numel() * t.element_size()
+        if current and (size + nbytes > limit_bytes or t.dtype != dtype):
+            out.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += nbytes
+        dtype = t.dtype
+    if current:
+        out.append(current)
+    return out
 
 
 def unpack(buffer: torch.Tensor, specs: list[TensorSpec]) -> list[torch.Tensor]:

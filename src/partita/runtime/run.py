@@ -122,9 +122,8 @@ class Runtime:
     def scale_loss(self, optimizer: torch.optim.Optimizer) -> None:
         """float16: the backward runs on the scaled loss, and `optimizer.step()` unscales, or skips on every rank
         when gradients overflowed anywhere (precision.LossScale)."""
-        local = self.trained_here()
-        self.loss_scale = LossScale([p for p in {id(p): p for p in self.parameters.values()}.values()
-                                     if id(p) in local], self.device)
+        by_id = {id(p): p for p in self.parameters.values()}
+        self.loss_scale = LossScale([by_id[i] for i in self.trained_here()], self.device)
         self.loss_scale.take_over_step(optimizer)
 
     def _unscaled(self) -> None:
@@ -145,7 +144,7 @@ class Runtime:
         named = list(self.module.state_dict(keep_vars=True).items())
         if not self.split_gradients:
             return {n: t.detach().clone() for n, t in named}
-        return dict(broadcast_from_owners(named, self.ownership.owner, self.rank, self.device))
+        return dict(broadcast_from_owners(named, self.ownership.owner, self.device))
 
     def parameter(self, name: str, grad: bool) -> torch.Tensor | None:
         """Parameter `name` (or its gradient), the same on every rank."""

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.plan.plan import Plan
-from partita.runtime.route import TensorSpec, pack, unpack
+from partita.runtime.route import buckets
+from partita.runtime.state import broadcast_tensors
 
 BROADCAST_BUCKET_BYTES = 32 * 2**20
 
@@ -86,30 +87,5 @@ class OptimizerSharding:
             p.grad = grad
         self._hidden = []
         for group, keeper, params in self.sends:
-            for bucket in _buckets(params):
-                _broadcast(bucket, keeper, group, self.rank, self.device)
-
-
-def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    out, size = [[]], 0
-    for p in params:
-        if size >= BROADCAST_BUCKET_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += _nbytes(p)
-    return out
-
-
-def _broadcast(params: list[nn.Parameter], src: int, group: dist.ProcessGroup | None, rank: int,
-               device: torch.device) -> None:
-    specs = [TensorSpec.of(p) for p in params]
-    if rank == src:
-        buffer = pack([p.detach() for p in params], device)
-    else:
-        buffer = torch.empty(sum(s.padded_nbytes for s in specs), dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, src=src, group=group)
-    if rank != src:
-        with torch.no_grad():
-            for p, value in zip(params, unpack(buffer, specs)):
-                p.copy_(value)
+            for bucket in buckets(params, BROADCAST_BUCKET_BYTES):
+                broadcast_tensors(bucket, self.device, src=keeper, group=group)

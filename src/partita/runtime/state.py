@@ -15,7 +15,7 @@ import torch.distributed as dist
 from partita.runtime.route import TensorSpec, pack, unpack
 
 
-def broadcast_from_owners(named: list[tuple[str, torch.Tensor]], owner: dict[str, int], rank: int,
+def broadcast_from_owners(named: list[tuple[str, torch.Tensor]], owner: dict[str, int],
                           device: torch.device) -> "OrderedDict[str, torch.Tensor]":
     """A copy of every tensor, taken from its owner: one broadcast per owner rank."""
     out: OrderedDict[str, torch.Tensor] = OrderedDict((n, t.detach().clone()) for n, t in named)
@@ -26,13 +26,7 @@ def broadcast_from_owners(named: list[tuple[str, torch.Tensor]], owner: dict[str
         by_owner.setdefault(owner.get(name, 0), []).append(name)
     for src in sorted(by_owner):
         names = by_owner[src]
-        specs = [TensorSpec.of(out[n]) for n in names]
-        if rank == src:
-            buffer = pack([out[n].to(device) for n in names], device)
-        else:
-            buffer = torch.empty(sum(s.padded_nbytes for s in specs), dtype=torch.uint8, device=device)
-        dist.broadcast(buffer, src=src)
-        for n, t in zip(names, unpack(buffer, specs)):
+        for n, t in zip(names, broadcast_packed([out[n] for n in names], src, device)):
             out[n] = t.to(landing(out[n])).clone()
     return out
 
@@ -42,17 +36,29 @@ def landing(t: torch.Tensor) -> torch.device:
     return torch.device("cpu") if t.is_meta else t.device
 
 
+def broadcast_packed(tensors: list[torch.Tensor], src: int, device: torch.device,
+                     group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Rank `src`'s values of `tensors` on every rank of `group`, in one broadcast: views into one byte buffer
+    on `device`. The other ranks' `tensors` give only shapes and dtypes (they may be meta)."""
+    specs = [TensorSpec.of(t) for t in tensors]
+    if dist.get_rank() == src:
+        buffer = pack(tensors, device)
+    else:
+        buffer = torch.empty(sum(s.padded_nbytes for s in specs), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=src, group=group)
+    return unpack(buffer, specs)
+
+
 def broadcast_tensors(tensors: list[torch.Tensor], device: torch.device, src: int = 0,
                       group: dist.ProcessGroup | None = None) -> None:
     """Overwrite `tensors` on every rank of `group` with rank `src`'s values, in one broadcast."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1 or not tensors:
         return
-    specs = [TensorSpec.of(t) for t in tensors]
-    buffer = pack([t.to(device) for t in tensors], device)
-    dist.broadcast(buffer, src=src, group=group)
-    with torch.no_grad():
-        for t, value in zip(tensors, unpack(buffer, specs)):
-            t.copy_(value)
+    values = broadcast_packed(tensors, src, device, group)
+    if dist.get_rank() != src:
+        with torch.no_grad():
+            for t, value in zip(tensors, values):
+                t.copy_(value)
 
 
 def gather_optimizer_state(state_dict: dict, owner_of_index: dict[int, int], rank: int) -> dict:
