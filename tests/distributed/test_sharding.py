@@ -23,6 +23,34 @@ def test_optimizer_state_sharded_over_replicas(pools, world, stages, micro_batch
     assert sum(len(k) for k in kept) == len(everything) == 12  # 6 Linear layers x (weight, bias)
 
 
+@pytest.mark.parametrize("sharding", ["gradients", "parameters"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("world,stages,micro_batches", [(2, 1, 1), (4, 2, 2)])
+def test_fsdp_levels_equal_one_process(pools, world, stages, micro_batches, optimizer, sharding):
+    """ZeRO-2/3 under FSDP2: each replica holds a shard of every parameter of its stage (a DTensor in the
+    user's module and optimizer), and training equals one process."""
+    results = pools.run(world, "support.cases:fidelity", "mlp", optimizer=optimizer, stages=stages,
+                        micro_batches=micro_batches, sharding=sharding, eval_batch=4)
+    r = check(results)
+    assert r["plan"][:3] == (stages, world // stages, micro_batches)
+    # every parameter a rank holds is sharded (a DTensor), the stages together hold all 6 Linear layers'
+    assert all(sharded == held > 0 for sharded, held in (x["sharded_params"] for x in results))
+    assert sum(x["sharded_params"][0] for x in results[:stages]) == 12  # replica 0: ranks 0 .. stages-1
+
+
+@pytest.mark.parametrize("sharding", ["gradients", "parameters"])
+@pytest.mark.parametrize("name,options", [
+    ("tied_embedding", {"stages": 1, "micro_batches": 1}),
+    ("tied_embedding", {"stages": 2, "micro_batches": 2}),
+    ("mlp", {"stages": 4, "micro_batches": 4, "schedule": "Interleaved1F1B"}),
+    ("mlp", {"stages": 2, "micro_batches": 2, "schedule": "GPipe", "style": "outputs"}),
+    ("mlp", {"stages": 2, "micro_batches": 2, "recompute": True, "build": "meta"}),
+    ("gpt", {"stages": 2, "micro_batches": 2, "schedule": "1F1B"}),
+], ids=["tied-data-parallel", "tied-2x2", "interleaved", "user-loss", "recomputed-meta-built", "gpt-2x2"])
+def test_fsdp_levels_across_layouts(pools, name, options, sharding):
+    fidelity(pools, 4, name, sharding=sharding, **options)
+
+
 def test_tied_weights_with_sharding(pools):
     r = fidelity(pools, 4, "tied_embedding", stages=2, micro_batches=2, sharding="optimizer")
     assert r["plan"][:2] == (2, 2)

@@ -16,6 +16,7 @@ import os
 from unittest import mock
 
 import torch
+from torch.distributed.tensor import DTensor
 import torch.utils._pytree as pytree
 
 import partita
@@ -168,7 +169,10 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
     held = sorted(n for n, t in model.state_dict(keep_vars=True).items() if not t.is_meta)
     # the parameters whose optimizer state this rank keeps (the optimizer's own, not the gathered state_dict)
     kept = sorted(n for n, p in model.named_parameters() if p in getattr(opt, "state", {}))
-    return {"diffs": side.diffs.result(), "losses": side.losses, "held": held, "optimizer_kept": kept, **report}
+    sharded = (sum(isinstance(p, DTensor) for p in model.parameters()),
+               sum(not p.is_meta for p in model.parameters()))
+    return {"diffs": side.diffs.result(), "losses": side.losses, "held": held, "optimizer_kept": kept,
+            "sharded_params": sharded, **report}
 
 
 @mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})

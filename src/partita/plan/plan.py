@@ -27,7 +27,7 @@ VERSION = 3
 # nothing, the optimizer's state (ZeRO-1), + the gradients (ZeRO-2), + the parameters (ZeRO-3)
 SHARDING_LEVELS = ("none", "optimizer", "gradients", "parameters")
 # the levels this version's runtime runs
-RUNNABLE_SHARDING = ("none", "optimizer")
+RUNNABLE_SHARDING = SHARDING_LEVELS
 # what the stages compute in: float32, or bfloat16 / float16 under autocast with float32 weights and state;
 # by the name torch gives each dtype
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

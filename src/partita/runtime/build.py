@@ -8,7 +8,9 @@
    optimizer's state kept where its parameters train; or, for one stage and one micro-batch, the whole
    module under torch's DistributedDataParallel;
 4. sharding: where the plan says so, each replica of a stage keeps its share of the optimizer's state
-   (`sharding.py`);
+   (ZeRO-1, `sharding.py`), or of the parameters, gradients and optimizer state under torch's FSDP2 (ZeRO-2
+   and ZeRO-3, `fully_sharded.py`: applied before the pipeline split's runtime, which cuts its stages into
+   FSDP's units);
 5. precision: float16's loss scale takes over the optimizer's step (`precision.py`; autocast itself wraps
    each stage's forward).
 
@@ -26,6 +28,7 @@ from partita.graph import ModelGraph
 from partita.plan.plan import Plan
 from partita.runtime.batch import Call, Loss
 from partita.runtime.data_parallel import DataParallel
+from partita.runtime.fully_sharded import FSDP_LEVELS, ShardedUnits, fsdp_parameters, shard_stages
 from partita.runtime.groups import stage_groups
 from partita.runtime.materialize import Initial, materialize
 from partita.runtime.ownership import named_state, ownership
@@ -39,19 +42,24 @@ def build_runtime(module: nn.Module, cap: CapturedGraph, graph: ModelGraph, plan
                   device: torch.device, initial: Initial = Initial()) -> Runtime:
     """Collective: every rank calls it with the same plan, at its first call (`first_call`)."""
     owners = ownership(module, cap, graph, plan)
-    data_parallel = plan.num_stages == 1 and plan.micro_batches == 1
+    fsdp = any(s.sharding in FSDP_LEVELS for s in plan.stages)
+    # one stage of replicas runs under torch's DDP, unless FSDP shards it
+    data_parallel = plan.num_stages == 1 and plan.micro_batches == 1 and not fsdp
     # torch's DDP wants every parameter on every rank
     keep = set(named_state(module)) if data_parallel else owners.kept_by(rank, module)
     materialize(module, optimizer, keep, device=device, initial=initial)
+    groups = stage_groups(plan)
+    sharded = shard_stages(module, optimizer, plan, graph, groups, rank, device) if fsdp else ShardedUnits()
     if data_parallel:
         runtime = DataParallel(module, cap, plan, owners, loss=loss, rank=rank, world_size=world_size,
                                device=device)
         runtime.settle_buckets(first_call)
     else:
         runtime = PipelineParallel(module, cap, plan, owners, loss=loss, optimizer=optimizer, rank=rank,
-                                   world_size=world_size, device=device, signature_key=first_call.signature.key)
-    if optimizer is not None and any(s.sharding != "none" for s in plan.stages):
-        runtime.shard_optimizer_state(optimizer, stage_groups(plan))
+                                   world_size=world_size, device=device, signature_key=first_call.signature.key,
+                                   stage_groups=groups, sharded=sharded, sharded_names=fsdp_parameters(plan, graph))
+    if optimizer is not None and any(s.sharding == "optimizer" for s in plan.stages):
+        runtime.shard_optimizer_state(optimizer, groups)
     if optimizer is not None and plan.precision in SCALED:
         runtime.scale_loss(optimizer)
     return runtime

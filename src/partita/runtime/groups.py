@@ -38,12 +38,17 @@ def param_ranks(plan: Plan, stage_params: dict[int, set[str]]) -> dict[str, tupl
 
 
 def gradient_groups(plan: Plan, stage_params: dict[int, set[str]], rank: int,
-                    parameter: dict[str, nn.Parameter]) -> list[ParamGroup]:
-    """This rank's parameters, grouped by the ranks their gradients are summed over."""
+                    parameter: dict[str, nn.Parameter], sharded: set[str] = frozenset()) -> list[ParamGroup]:
+    """This rank's parameters, grouped by the ranks their gradients are summed over. FSDP sums the `sharded`
+    ones (`fully_sharded.py`; the same set on every rank): those this rank holds form a group of this rank
+    alone, which partita only scales."""
     holders = param_ranks(plan, stage_params)
     by_ranks: dict[tuple[int, ...], list[str]] = {}
     for fqn, ranks in holders.items():
-        by_ranks.setdefault(ranks, []).append(fqn)
+        if fqn not in sharded:
+            by_ranks.setdefault(ranks, []).append(fqn)
+        elif rank in ranks:
+            by_ranks.setdefault((rank,), []).append(fqn)
     groups = []
     for ranks in sorted(by_ranks):
         group = _new_group(ranks) if len(ranks) > 1 else None

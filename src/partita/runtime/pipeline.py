@@ -29,17 +29,27 @@ from partita.capture.export import CapturedGraph
 from partita.capture.shapes import meta_like
 from partita.capture.split import StageGraph
 from partita.plan.plan import Plan
+from partita.runtime.fully_sharded import ShardedUnits
 from partita.runtime.precision import LowPrecision
 from partita.schedule import Action, orders
 from partita.schedule.action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 
 
 class RecordingStage(PipelineStage):
-    """A PipelineStage that notes every compute action it runs in `executed` (a list its rank's stages share)."""
+    """A PipelineStage that notes every compute action it runs in `executed` (a list its rank's stages share).
 
-    def __init__(self, *args, executed: list[Action], **kwargs):
+    `gathered_for_step`: FSDP units whose parameters stay gathered from the stage's first forward to its last
+    backward of a step (sharding "gradients"): partita's modules call them, so torch's stage, which handles
+    only a stage module that is itself FSDP's, leaves them to this stage."""
+
+    def __init__(self, *args, executed: list[Action], gathered_for_step: list, **kwargs):
         super().__init__(*args, **kwargs)
         self.executed = executed
+        self.gathered_for_step = gathered_for_step
+
+    def _reshard_after(self, last_backward: bool) -> None:
+        for unit in self.gathered_for_step:
+            unit.set_reshard_after_backward(last_backward)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         self.executed.append(Action(self.stage_index, FORWARD, fwd_chunk_id))
@@ -48,11 +58,13 @@ class RecordingStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
         op = FULL_BACKWARD if full_backward else BACKWARD_INPUT
         self.executed.append(Action(self.stage_index, op, bwd_chunk_id))
+        self._reshard_after(last_backward)
         return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                           last_backward=last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
         self.executed.append(Action(self.stage_index, BACKWARD_WEIGHT, bwd_chunk_id))
+        self._reshard_after(last_backward)
         return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
 
@@ -85,7 +97,7 @@ class Pipeline:
 
     def __init__(self, cap: CapturedGraph, graphs: list[StageGraph], plan: Plan, *, rank: int, replica: int,
                  group: dist.ProcessGroup, device: torch.device, micro_batch_rows: int, has_backward: bool,
-                 loss_fn=None):
+                 sharded: ShardedUnits, loss_fn=None):
         self.plan = plan
         self.micro_batches = plan.micro_batches
         replica_ranks = plan.replica_ranks(replica)
@@ -102,7 +114,9 @@ class Pipeline:
                 module = Recomputed(module)
             stage = RecordingStage(module, index, plan.num_stages, device,
                                    input_args=_static_shapes(cap, g.inputs, micro_batch_rows),
-                                   output_args=outputs, group=group, executed=self.executed)
+                                   output_args=outputs, group=group, executed=self.executed,
+                                   gathered_for_step=sharded.of_stage(index)
+                                   if sharded.levels.get(index) == "gradients" else [])
             stage.stage_index_to_group_rank = dict(position)
             self.stages.append(stage)
         self.by_index = {s.stage_index: s for s in self.stages}

@@ -1,9 +1,10 @@
 """Any plan with more than one stage or micro-batch: the captured graph split into stages, run on
 torch.distributed.pipelining, one pipeline per replica.
 
-partita sums gradients itself (`grads.GradSync`) instead of wrapping stages in DDP or FSDP: a rank may need
-several gradient groups (its stage's replicas, and the union of stages for each tied weight), which torch's
-wrappers, one group per module, do not express.
+partita sums gradients itself (`grads.GradSync`) instead of wrapping stages in DDP: a rank may need several
+gradient groups (its stage's replicas, and the union of stages for each tied weight), which torch's wrappers,
+one group per module, do not express. Where the plan shards a stage's parameters or gradients, FSDP sums its
+blocks' own gradients over the stage's replicas (`fully_sharded.py`), and partita those of tied weights.
 
 One `Engine` per kind of call (train or eval mode, call structure, which parameters require grad): each is a
 capture of the model split into the planned stages.
@@ -20,7 +21,8 @@ from partita.capture.split import carry_stages, check_ownership
 from partita.plan.plan import Plan
 from partita.runtime.batch import Call, Loss
 from partita.runtime.grads import GradSync
-from partita.runtime.groups import gradient_groups, pipeline_groups, stage_groups
+from partita.runtime.fully_sharded import ShardedUnits
+from partita.runtime.groups import gradient_groups, pipeline_groups
 from partita.runtime.ownership import Ownership
 from partita.runtime.pipelined import Engine, Place
 from partita.runtime.route import Replica
@@ -28,27 +30,29 @@ from partita.runtime.run import Runtime
 from partita.schedule import Action
 
 
-def place_of(plan: Plan, rank: int, world_size: int, device: torch.device, *, with_buffers: bool) -> Place:
+def place_of(plan: Plan, rank: int, world_size: int, device: torch.device,
+             stage_groups: dict[int, dist.ProcessGroup | None]) -> Place:
     """This rank's place under `plan`, with the process groups it needs. Collective: every rank creates every
     group, in the same order."""
     replicas = pipeline_groups(plan)
     j = plan.replica_of(rank)
     group = replicas[j] if replicas[j] is not None else dist.group.WORLD
-    buffers = stage_groups(plan) if with_buffers else {}
     return Place(plan=plan, rank=rank, world_size=world_size, device=device, replica_index=j,
                  replica=Replica(plan.replica_ranks(j), group, rank, device), pipeline_group=group,
-                 stage_groups=buffers)
+                 stage_groups=stage_groups)
 
 
 class PipelineParallel(Runtime):
     def __init__(self, module: nn.Module, cap: CapturedGraph, plan: Plan, ownership: Ownership, *,
                  loss: Loss | None, optimizer: torch.optim.Optimizer | None, rank: int, world_size: int,
-                 device: torch.device, signature_key: tuple):
+                 device: torch.device, signature_key: tuple, stage_groups: dict[int, dist.ProcessGroup | None],
+                 sharded: ShardedUnits, sharded_names: set[str]):
         super().__init__(module, plan, ownership, rank, device)
         self.loss = loss
         self.optimizer = optimizer
-        self.place = place_of(plan, rank, world_size, device, with_buffers=any(True for _ in module.buffers()))
-        self.grads = GradSync(gradient_groups(plan, ownership.stage_params, rank, self.parameters))
+        self.sharded = sharded
+        self.place = place_of(plan, rank, world_size, device, stage_groups)
+        self.grads = GradSync(gradient_groups(plan, ownership.stage_params, rank, self.parameters, sharded_names))
         # the autograd node every returned loss or output hangs from, so that backward reaches partita
         self.anchor = torch.zeros((), requires_grad=True)
         # captured in train mode for planning: the engine of training calls with the first call's structure
@@ -76,7 +80,7 @@ class PipelineParallel(Runtime):
             engine.loss_scale = self.loss_scale
 
     def _engine(self, cap: CapturedGraph, stage_of_unit: list[int]) -> Engine:
-        engine = Engine(cap, stage_of_unit, self.place, self.grads, self.anchor)
+        engine = Engine(cap, stage_of_unit, self.place, self.grads, self.anchor, self.sharded)
         engine.loss_scale = self.loss_scale
         check_ownership(engine.graphs, self.ownership.stage_params)
         return engine

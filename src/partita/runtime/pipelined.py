@@ -32,6 +32,7 @@ from partita.capture.split import split
 from partita.errors import BatchError, PartitaError, PlanError
 from partita.plan.plan import Plan, check_batch
 from partita.runtime.batch import Loss
+from partita.runtime.fully_sharded import ShardedUnits, reshard_after_call, through_units
 from partita.runtime.grads import GradSync
 from partita.runtime.pipeline import Pipeline
 from partita.runtime.precision import LossScale
@@ -66,8 +67,9 @@ class Place:
 
 class Engine:
     def __init__(self, cap: CapturedGraph, stage_of_unit: list[int], place: Place, grads: GradSync,
-                 anchor: torch.Tensor):
+                 anchor: torch.Tensor, sharded: ShardedUnits):
         self.cap = cap
+        self.sharded = sharded
         self.place = place
         self.grads = grads
         self.anchor = anchor
@@ -88,6 +90,9 @@ class Engine:
                           [getattr(g.module, b) for b in g.written_buffers])
                          for g in self.graphs if g.written_buffers and g.index in place.stage_groups
                          and g.index in local]
+        for g in self.graphs:
+            if g.index in sharded.levels:
+                g.module = through_units(g.module, g.parameters, sharded, g.index)
 
     def _sync_buffers(self) -> None:
         """Every replica of a stage takes its first replica's buffers (BatchNorm statistics), as DDP does."""
@@ -108,7 +113,7 @@ class Engine:
             self._pipelines[key] = Pipeline(self.cap, self.graphs, self.plan, rank=p.rank, replica=p.replica_index,
                                             group=p.pipeline_group, device=p.device,
                                             micro_batch_rows=micro_batch_rows, has_backward=has_backward,
-                                            loss_fn=loss_fn)
+                                            loss_fn=loss_fn, sharded=self.sharded)
             while len(self._pipelines) > _MAX_PIPELINES:
                 self._pipelines.popitem(last=False)
         self._pipelines.move_to_end(key)
@@ -206,6 +211,8 @@ class Engine:
         ctx = torch.enable_grad() if has_backward else torch.no_grad()
         with ctx:
             outs = pipe.forward(micro_batches)
+        if not has_backward:
+            reshard_after_call(self.sharded.units)
         if loss is not None:
             target_rows = p.replica.gather_rows([target], p.last_rank)
             return self._eval_loss(outs, target_rows, loss)

@@ -25,6 +25,7 @@ from torch import nn
 
 from partita.errors import PlanError
 from partita.plan.plan import PRECISION_DTYPES
+from partita.runtime.state import local_part
 
 # the dtypes autocast computes in (float32 needs none)
 DTYPES = {p: getattr(torch, name) for p, name in PRECISION_DTYPES.items() if p != "fp32"}
@@ -127,7 +128,7 @@ class LossScale:
         optimizer.step = types.MethodType(step, optimizer)
 
     def _overflowed(self) -> bool:
-        local = any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in self.params)
+        local = any(p.grad is not None and not bool(torch.isfinite(local_part(p.grad)).all()) for p in self.params)
         flag = torch.tensor([float(local)], device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

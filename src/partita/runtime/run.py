@@ -21,7 +21,8 @@ from partita.runtime.optim import patch_optimizer
 from partita.runtime.ownership import Ownership
 from partita.runtime.precision import LossScale
 from partita.runtime.sharding import OptimizerSharding, state_keepers
-from partita.runtime.state import broadcast_from_owners, gather_optimizer_state, landing
+from partita.runtime.state import (broadcast_from_owners, full_value, gather_optimizer_state, landing, local_part,
+                                   shard_like)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,9 @@ class Runtime:
         for p in list(optimizer.state):
             if id(p) not in local:
                 del optimizer.state[p]
+            else:  # state loaded whole, of a parameter FSDP shards: this replica's shard of it
+                optimizer.state[p] = {k: shard_like(v, p) if isinstance(v, torch.Tensor) and v.dim() else v
+                                      for k, v in optimizer.state[p].items()}
 
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, stage_groups: dict) -> None:
         """Where the plan shards optimizer state (ZeRO-1), each replica of a stage keeps its share of it."""
@@ -141,7 +145,7 @@ class Runtime:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state under its original names, the same on every rank."""
-        named = list(self.module.state_dict(keep_vars=True).items())
+        named = [(n, full_value(t)) for n, t in self.module.state_dict(keep_vars=True).items()]
         if not self.split_gradients:
             return {n: t.detach().clone() for n, t in named}
         return dict(broadcast_from_owners(named, self.ownership.owner, self.device))
@@ -151,7 +155,7 @@ class Runtime:
         if grad:
             self._unscaled()
         p = self.parameters[name]
-        t = p.grad if grad else p
+        t = full_value(p.grad if grad else p)
         if not self.split_gradients:
             return None if t is None else t.detach().clone()
         owner = self.owner_of(name)
@@ -170,8 +174,10 @@ class Runtime:
         self._unscaled()
         first = first_names(self.module)
         params = [self.parameters[name] for name in first.values()]
-        counted = [p.grad for p, name in zip(params, first.values())
-                   if p.grad is not None and (not self.split_gradients or self.owner_of(name) == self.rank)]
+        # a sharded gradient counts its shard on each replica; any other, on its owner
+        counted = [local_part(p.grad) for p, name in zip(params, first.values())
+                   if p.grad is not None and (not self.split_gradients or self.owner_of(name) == self.rank
+                                              or local_part(p.grad) is not p.grad)]
         local = torch.zeros((), device=self.device, dtype=torch.float64)
         for g in counted:
             local += g.detach().double().norm(norm_type) ** norm_type

@@ -2,7 +2,8 @@
 
 A rank holds only the tensors of the stages it runs (the others are meta on it); the owner of a tensor is
 the lowest rank that runs a stage reading it (every holder has the same value after a step). A tensor this
-rank does not hold arrives in host memory.
+rank does not hold arrives in host memory. Where FSDP shards a stage (`fully_sharded.py`), its replicas hold
+DTensors: each view gathers them whole first (`full_value`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from partita.runtime.route import TensorSpec, pack, unpack
 
@@ -65,11 +67,32 @@ def gather_optimizer_state(state_dict: dict, owner_of_index: dict[int, int], ran
     """The optimizer's state_dict with every parameter's state, taken from the rank that owns it."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return state_dict
-    mine = {i: s for i, s in state_dict["state"].items() if owner_of_index.get(i, 0) == rank}
-    mine = {i: {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for i, s in mine.items()}
+    # every replica of a sharded stage takes part in gathering its state, in the same order
+    whole = {i: {k: full_value(v) for k, v in s.items()} for i, s in sorted(state_dict["state"].items())}
+    mine = {i: {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+            for i, s in whole.items() if owner_of_index.get(i, 0) == rank}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     merged = {}
     for part in every:
         merged.update(part)
     return {"state": dict(sorted(merged.items())), "param_groups": state_dict["param_groups"]}
+
+
+def shard_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A whole optimizer state tensor of `param` as `param` is held: this replica's shard where `param` is
+    sharded (every replica cuts its own: no communication), else moved to its device."""
+    if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+        return distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements,
+                                 src_data_rank=None)
+    return value.to(param.device)
+
+
+def full_value(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` whole: a sharded tensor gathered from its replicas (collective over them), else `t` itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this rank holds: its shard of a sharded tensor, else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t

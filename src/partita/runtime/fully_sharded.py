@@ -1,0 +1,204 @@
+"""ZeRO-2 and ZeRO-3 (a stage's sharding "gradients" or "parameters"): torch's FSDP2 (`fully_shard`) over the
+stage's replicas, one FSDP unit per block of the stage.
+
+Why units are modules of partita's own: a stage is an fx graph whose operations read parameters as attributes,
+while FSDP gathers a module's parameters around that module's forward. So each block's parameters move into a
+`Unit`, built once per runtime and shared by every capture of the model (training calls, eval calls, ...);
+the stage's graph is cut into one piece per unit (torch.fx's split_module), and each piece runs as its unit's
+forward, with the unit's parameters (whole, while FSDP has them gathered) as its first arguments.
+
+- "gradients": a unit's parameters are gathered at the stage's first forward of a step and stay whole until
+  its last backward (`reshard_after_forward=False`; resharded after the last micro-batch's backward only).
+- "parameters": gathered around every forward and every backward, resharded after each.
+
+Both reduce-scatter each micro-batch's gradients as soon as a unit's backward ends, so one unit's whole
+gradient exists at a time, and each replica keeps and steps its shard of the gradients, parameters and
+optimizer state. The replicas *sum* (FSDP's divide factor 1): partita scales every layout's gradients by
+1 / (replicas x micro-batches) itself (`pipelined.py`). A parameter read by several blocks, or by another stage
+(tied weights), stays whole on every replica and is summed after the pipeline as without sharding.
+
+The user's module and optimizer hold the sharded parameters (DTensors) from then on: `parameter`, `state_dict`
+and checkpoints gather them (`full_value`), and optimizer state loaded whole is cut to this replica's shard
+(`shard_like`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.fx.passes.split_module import split_module
+
+from partita.errors import InternalError
+from partita.graph import ModelGraph
+from partita.plan.plan import Plan
+from partita.runtime.state import shard_like
+
+FSDP_LEVELS = ("gradients", "parameters")
+
+
+class Unit(nn.Module):
+    """The parameters of one block, gathered by FSDP around `forward`, which runs a piece of a stage's graph
+    with them."""
+
+    def __init__(self, params: dict[str, nn.Parameter]):
+        super().__init__()
+        self.fqns = list(params)
+        for k, p in enumerate(params.values()):
+            self.register_parameter(f"p{k}", p)
+
+    def forward(self, piece: fx.GraphModule, slots: tuple[tuple[int, int], ...], *args):
+        """`piece` on `args` with parameter k of this unit inserted at position i for each (i, k) of `slots`
+        (in increasing i)."""
+        args = list(args)
+        for position, k in slots:
+            args.insert(position, getattr(self, f"p{k}"))
+        return piece(*args)
+
+
+class UnitCall(nn.Module):
+    """A piece of a stage's graph that reads the parameters of `unit`, called through it."""
+
+    def __init__(self, unit: Unit, piece: fx.GraphModule, slots: tuple[tuple[int, int], ...]):
+        super().__init__()
+        self.unit, self.piece, self.slots = unit, piece, slots
+
+    def forward(self, *args):
+        return self.unit(self.piece, self.slots, *args)
+
+
+@dataclass
+class ShardedUnits:
+    """This rank's FSDP units, in the order of the blocks they hold."""
+
+    units: list[Unit] = field(default_factory=list)
+    unit_of: dict[str, int] = field(default_factory=dict)  # parameter (canonical name) -> index in `units`
+    stage_of_unit: list[int] = field(default_factory=list)
+    levels: dict[int, str] = field(default_factory=dict)  # stage -> its level, for stages with units
+
+    def of_stage(self, stage: int) -> list[Unit]:
+        return [u for u, s in zip(self.units, self.stage_of_unit) if s == stage]
+
+    def params(self) -> list[nn.Parameter]:
+        return [p for u in self.units for p in u.parameters()]
+
+
+def fsdp_parameters(plan: Plan, graph: ModelGraph) -> set[str]:
+    """The parameters FSDP shards under `plan`, on every rank alike: those of stages with a FSDP level and more
+    than one replica that one block alone reads."""
+    readers: dict[str, int] = {}
+    for block in graph.blocks:
+        for fqn in set(block.params):
+            readers[fqn] = readers.get(fqn, 0) + 1
+    return {f for stage in plan.stages if stage.sharding in FSDP_LEVELS and len(stage.ranks) > 1
+            for block in graph.blocks[slice(*stage.blocks)] for f in block.params if readers[f] == 1}
+
+
+def shard_stages(module: nn.Module, optimizer: torch.optim.Optimizer | None, plan: Plan, graph: ModelGraph,
+                 stage_groups: dict[int, dist.ProcessGroup | None], rank: int,
+                 device: torch.device) -> ShardedUnits:
+    """Shard the parameters of this rank's stages whose plan says "gradients" or "parameters" over their
+    replicas; the user's module and optimizer take the sharded parameters. Collective over each such stage's
+    replicas."""
+    out = ShardedUnits()
+    sharded = fsdp_parameters(plan, graph)
+    named = dict(module.named_parameters(remove_duplicate=False))
+    replaced: dict[int, nn.Parameter] = {}
+    for stage in plan.stages:
+        if rank not in stage.ranks or stage.sharding not in FSDP_LEVELS or len(stage.ranks) == 1:
+            continue
+        mesh = DeviceMesh.from_group(stage_groups[stage.index], device_type=device.type)
+        out.levels[stage.index] = stage.sharding
+        for block in graph.blocks[slice(*stage.blocks)]:
+            own = sorted(set(block.params) & sharded)
+            if not own:
+                continue
+            unit = Unit({f: named[f] for f in own})
+            fully_shard(unit, mesh=mesh, reshard_after_forward=stage.sharding == "parameters")
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+            for k, f in enumerate(own):
+                replaced[id(named[f])] = getattr(unit, f"p{k}")
+                out.unit_of[f] = len(out.units)
+            out.units.append(unit)
+            out.stage_of_unit.append(stage.index)
+    for name, p in named.items():
+        if id(p) in replaced:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, replaced[id(p)])
+    repoint_optimizer(optimizer, replaced, shard_like)
+    return out
+
+
+def repoint_optimizer(optimizer: torch.optim.Optimizer | None, replaced: dict[int, torch.Tensor],
+                      convert) -> None:
+    """The optimizer steps the new tensors: its parameter groups and state follow the modules; a state tensor
+    becomes `convert(value, new parameter)`."""
+    if optimizer is None or not replaced:
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    for p in [p for p in optimizer.state if id(p) in replaced]:
+        state, new = optimizer.state.pop(p), replaced[id(p)]
+        if not new.is_meta:
+            optimizer.state[new] = {k: convert(v, new) if isinstance(v, torch.Tensor) and v.dim() else v
+                                    for k, v in state.items()}
+
+
+def through_units(stage_module: fx.GraphModule, parameters: dict[str, str], sharded: ShardedUnits,
+                  stage: int) -> fx.GraphModule:
+    """`stage_module` (one stage's graph, reading parameters as attributes; `parameters`: attribute -> canonical
+    name) cut into pieces that each read the parameters of at most one unit, every such piece called through
+    its unit, which passes it the parameters."""
+    unit_attrs = {a: sharded.unit_of[f] for a, f in parameters.items() if f in sharded.unit_of}
+    if not unit_attrs:
+        return stage_module
+    part: dict[str, int] = {}
+    current = -1  # operations before the first unit's parameters are read run in a piece of their own
+    for node in stage_module.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        read = {unit_attrs[a.target] for a in node.all_input_nodes if a.op == "get_attr" and a.target in unit_attrs}
+        if len(read) > 1 or (read and min(read) < current):
+            raise InternalError(f"stage {stage}: operation {node.name} reads parameters of FSDP units {sorted(read)} "
+                                f"after unit {current}'s; this capture orders the model's blocks differently "
+                                "from the planned one")
+        current = read.pop() if read else current
+        part[node.name] = current
+    pieces = {p: k for k, p in enumerate(sorted(set(part.values())))}
+    # split_module passes attributes to the pieces as arguments: those of a unit come from the unit instead
+    top = split_module(stage_module, stage_module, lambda n: pieces[part[n.name]], keep_original_order=True)
+    for node in top.graph.nodes:
+        if node.op != "call_module":
+            continue
+        unit_index = next(p for p, k in pieces.items() if node.target == f"submod_{k}")
+        if unit_index < 0:
+            continue
+        unit = sharded.units[unit_index]
+        slots, args = [], []
+        for position, a in enumerate(node.args):
+            if isinstance(a, fx.Node) and a.op == "get_attr" and a.target in unit_attrs:
+                slots.append((position, unit.fqns.index(parameters[a.target])))
+            else:
+                args.append(a)
+        node.args = tuple(args)
+        setattr(top, node.target, UnitCall(unit, getattr(top, node.target), tuple(slots)))
+    top.graph.eliminate_dead_code()
+    for attr in unit_attrs:
+        if hasattr(top, attr):
+            delattr(top, attr)
+    top.graph.lint()
+    top.recompile()
+    return top
+
+
+def reshard_after_call(units: list[Unit]) -> None:
+    """Units kept gathered across a step ("gradients") free their whole parameters after a call with no
+    backward (an eval call), so that the next step gathers the values the optimizer stepped."""
+    for unit in units:
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
