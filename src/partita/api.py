@@ -194,8 +194,11 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
     `stages`, `replicas`, `micro_batches`, `schedule`, `recompute` (every stage, or none) and `sharding` fix
     what the planner would choose; `plan`
-    takes a saved plan (a path or a Plan). `sharding="optimizer"` (ZeRO-1): the replicas of each stage split
-    the optimizer's state among themselves; `"none"`: each keeps all of it. `precision="bf16"` or `"fp16"`
+    takes a saved plan (a path or a Plan). `sharding` is what the replicas of each stage split among
+    themselves: `"none"`, the optimizer's state (`"optimizer"`, ZeRO-1), also the gradients (`"gradients"`,
+    ZeRO-2) or also the parameters (`"parameters"`, ZeRO-3); the last two run on torch's FSDP2, and the
+    model's and the optimizer's parameters are then DTensors holding this replica's shard (`get_param`,
+    `state_dict()` and checkpoints give them whole). `precision="bf16"` or `"fp16"`
     computes under torch.autocast with the float32 weights and optimizer state as the master copy (outputs
     and the loss come back in the model's own dtypes); fp16 scales the loss dynamically.
 

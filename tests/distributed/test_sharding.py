@@ -46,7 +46,11 @@ def test_fsdp_levels_equal_one_process(pools, world, stages, micro_batches, opti
     ("mlp", {"stages": 2, "micro_batches": 2, "schedule": "GPipe", "style": "outputs"}),
     ("mlp", {"stages": 2, "micro_batches": 2, "recompute": True, "build": "meta"}),
     ("gpt", {"stages": 2, "micro_batches": 2, "schedule": "1F1B"}),
-], ids=["tied-data-parallel", "tied-2x2", "interleaved", "user-loss", "recomputed-meta-built", "gpt-2x2"])
+    ("batchnorm", {"stages": 2, "micro_batches": 1, "schedule": "GPipe", "style": "outputs", "optimizer": "sgd",
+                   "statistics_replicas": 2, "eval_batch": 4}),
+    ("mlp", {"stages": 4, "micro_batches": 4, "schedule": "ZBVZeroBubble"}),
+], ids=["tied-data-parallel", "tied-2x2", "interleaved", "user-loss", "recomputed-meta-built", "gpt-2x2",
+        "batchnorm-2x2", "zero-bubble"])
 def test_fsdp_levels_across_layouts(pools, name, options, sharding):
     fidelity(pools, 4, name, sharding=sharding, **options)
 
@@ -69,3 +73,18 @@ def test_checkpoints_across_sharding_levels_and_worlds(pools, tmp_path, world, p
     loaded = pools.run(world, f"{CASE}:load_and_continue", "gpt", str(tmp_path), plan)
     check_resumed(loaded, saved)
     assert loaded[0]["plan"][0] == plan["stages"]
+
+
+@pytest.mark.parametrize("saved_level,world,plan", [
+    ("parameters", 2, {"stages": 1, "micro_batches": 1, "sharding": "none"}),
+    ("parameters", 4, {"stages": 1, "micro_batches": 1, "sharding": "gradients"}),
+    ("optimizer", 4, {"stages": 2, "replicas": 2, "micro_batches": 2, "schedule": "GPipe", "sharding": "parameters"}),
+    ("gradients", 4, {"stages": 2, "replicas": 2, "micro_batches": 2, "schedule": "GPipe", "sharding": "parameters"}),
+], ids=["zero3-to-2-ranks-unsharded", "zero3-to-4-replicas-zero2", "zero1-to-2x2-zero3", "zero2-to-2x2-zero3"])
+def test_checkpoints_across_fsdp_levels(pools, tmp_path, saved_level, world, plan):
+    """Saved 2 stages x 2 replicas under one sharding level (FSDP's DTensor shards written by each replica);
+    loaded under another level, world and plan: parameters and Adam state equal the saved ones exactly, and
+    the next losses the saving run's."""
+    saved = pools.run(4, f"{CASE}:train_and_save", "gpt", str(tmp_path), {**TWO_BY_TWO, "sharding": saved_level})
+    loaded = pools.run(world, f"{CASE}:load_and_continue", "gpt", str(tmp_path), plan)
+    check_resumed(loaded, saved)

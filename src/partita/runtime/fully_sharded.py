@@ -187,10 +187,12 @@ def through_units(stage_module: fx.GraphModule, parameters: dict[str, str], shar
                 args.append(a)
         node.args = tuple(args)
         setattr(top, node.target, UnitCall(unit, getattr(top, node.target), tuple(slots)))
-    top.graph.eliminate_dead_code()
-    for attr in unit_attrs:
-        if hasattr(top, attr):
-            delattr(top, attr)
+    # the unit's parameters are no longer read as attributes (not a dead-code pass: it would drop pieces whose
+    # only effect is updating buffers in place)
+    for node in [n for n in top.graph.nodes if n.op == "get_attr" and n.target in unit_attrs and not n.users]:
+        top.graph.erase_node(node)
+        if hasattr(top, node.target):
+            delattr(top, node.target)
     top.graph.lint()
     top.recompile()
     return top
