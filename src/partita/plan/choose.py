@@ -8,7 +8,7 @@ from dataclasses import replace
 from partita.cluster import Cluster
 from partita.errors import BatchError, PlanError
 from partita.graph import ModelGraph, Profile
-from partita.plan.cost import CostModel, Layout, StageCost
+from partita.plan.cost import FSDP_LEVELS, CostModel, Layout, StageCost
 from partita.plan.explain import size
 from partita.plan.plan import SHARDING_LEVELS, Estimate, Plan, StagePlan, check_batch, divisors
 from partita.plan.constraints import Constraints
@@ -183,8 +183,10 @@ def _data_parallel(graph, profile, cluster, global_batch, optimizer_factor,
                    sharding: str | None) -> tuple[float | None, int]:
     """Step time of data parallelism alone (None if it does not fit) and its memory per rank: the fastest of
     its layouts (under DDP, and pipelined under FSDP's levels) with `sharding` (None: any)."""
+    world = cluster.world_size
     steps, memory = [], []
-    for layout in layouts(graph, cluster, global_batch, Constraints(stages=1, micro_batches=1, sharding=sharding)):
+    for level in [sharding] if sharding is not None or world == 1 else [None, *FSDP_LEVELS]:
+        layout = Layout("GPipe", 1, 1, world, 1, global_batch // world, level)
         model = CostModel(graph, profile, cluster, optimizer_factor, layout)
         found = PartitionSearch(model, recompute=False).balanced()
         cost = model.stage(0, 0, graph.num_blocks, False)
