@@ -266,7 +266,10 @@ def layout_bound(model: CostModel, refined: bool = False) -> float:
         tail = rest.largest_stage_tail(0, s)
     else:
         tail = max(rest.stage_tail(rest.largest_block_bytes(0)), rest.tail_total(0) / p)
-    return makespan + model.step_overhead_s + tail
+    # a rank's step is at least its actions, the collectives of its stages' sharding and its tail: on average
+    # over the ranks, at least every stage's work and the least rate a sharding costs each byte
+    busy = (m * work + model.least_per_step_s_per_byte * rest.param_bytes(0)) / p
+    return max(makespan + tail, busy) + model.step_overhead_s
 
 
 def gradients_return(schedule: str) -> bool:

@@ -145,6 +145,8 @@ class CostModel:
         self._stage = lru_cache(maxsize=None)(self._compute_stage)
         self._floor = lru_cache(maxsize=None)(self._compute_floor)
         self._units = lru_cache(maxsize=None)(self._compute_units)
+        # asked for again by the choice among levels, memory_needed and memory_floor
+        self._memory = lru_cache(maxsize=None)(self._compute_memory)
         self.pipelined = layout.pipelined
         self.shardings = _shardings(layout, optimizer_factor)
         # per parameter read by more than one block, those blocks in order (tied weights; FSDP's units)
@@ -259,7 +261,7 @@ class CostModel:
         largest = max((sum(sizes[q] for q in params) for params in members.values()), default=0)
         return whole, largest
 
-    def _memory(self, stage: int, start: int, stop: int, recompute: bool, outputs: bool = True,
+    def _compute_memory(self, stage: int, start: int, stop: int, recompute: bool, outputs: bool = True,
                 sharding: str = "none", floor: bool = False) -> Memory:
         """`floor`: a lower bound that only grows with `stop`, for `memory_floor`: with FSDP's levels, as if no
         parameter were tied to another stage (keeping one whole costs a replica more than it saves it, with
@@ -328,8 +330,8 @@ class CostModel:
         for rc in options:
             if rc and writes:
                 continue
-            fitting = [cost for cost in (self.priced(stage, start, stop, rc, sh) for sh in self.shardings)
-                       if cost.memory.total <= self.capacity]
+            fitting = [self.priced(stage, start, stop, rc, sh) for sh in self.shardings
+                       if self._memory(stage, start, stop, rc, sharding=sh).total <= self.capacity]
             if fitting:
                 return min(fitting, key=self.stage_time_s)  # the first of equals: the one that shards less
         return None
@@ -399,6 +401,23 @@ class CostModel:
         if not self.pipelined:
             return min(optimizer + gather for _, _, optimizer, gather in parts)  # DDP: the all-reduce may hide
         return min(map(sum, parts))
+
+    @cached_property
+    def least_per_step_s_per_byte(self) -> float:
+        """The least seconds per byte of its parameters that a stage's sharding costs it per step, over the
+        levels and replica groups: its micro-batches' collectives and its tail (with DDP the part of it that
+        cannot hide). Each of those is a latency plus bytes times a rate, so every stage's cost is at least
+        this times its bytes (for bounds; a parameter kept whole costs at least "none"'s rate)."""
+        big = float(2**40)
+
+        def cost_s(stage: int, sharding: str, nbytes: float) -> float:
+            allreduce, apply, optimizer, gather = self.per_step(stage, int(nbytes), 0, sharding)
+            collectives = self.layout.micro_batches * sum(self.collectives_s(stage, nbytes, sharding))
+            return collectives + (allreduce + apply if self.pipelined else 0.0) + optimizer + gather
+
+        # the rate, from two sizes past any latency; less a rounding margin
+        return min((cost_s(s, sh, 2 * big) - cost_s(s, sh, big)) / big
+                   for s in self.replica_group_stages for sh in self.shardings) * (1 - 1e-9)
 
     def optimizer_s(self, param_bytes: float) -> float:
         """The optimizer step is memory-bound: read weights, gradients and state, write weights and state."""
