@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from partita.errors import PartitaError
-from partita.plan.plan import RUNNABLE_SHARDING
+from partita.plan.plan import SHARDING_LEVELS
 
 OPTIMIZERS = {"sgd": 0.0, "sgd-momentum": 1.0, "adagrad": 1.0, "rmsprop": 1.0, "adam": 2.0, "adamw": 2.0}
 
@@ -36,8 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--replicas", type=int)
     p.add_argument("--micro-batches", type=int)
     p.add_argument("--schedule")
-    p.add_argument("--sharding", choices=RUNNABLE_SHARDING,
-                   help="what each stage's replicas split among themselves (default: the planner's choice)")
+    p.add_argument("--sharding", choices=SHARDING_LEVELS,
+                   help="what each stage's replicas split among themselves: nothing, the optimizer's state "
+                        "(ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3) (default: the planner's choice)")
     p.add_argument("--out", help="write the plan as JSON here (and a timeline picture next to it)")
     p.add_argument("--timeline", help="write a picture of one simulated step here (.png or .svg)")
     p.set_defaults(func=run)

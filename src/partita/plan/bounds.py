@@ -76,10 +76,6 @@ class Remainder:
         self._min_bwd = _RangeBest(block_bwd_traffic, min)
         self._send = _suffix_min(self._cut_send_floor())
         self._stretch = stretch
-        # the all-reduce differs between stages only by how many ranks and nodes sum it
-        node_of = model.cluster.node_of
-        groups = {(len(ranks), len({node_of(r) for r in ranks})): s for s, ranks in enumerate(model.ranks)}
-        self._allreduce_stages = tuple(groups.values())
 
     def _cut_send_floor(self) -> list[float]:
         """Per cut c (after block c-1, 1 <= c < n; index 0 and n unused): the least transfer across it."""
@@ -199,11 +195,7 @@ class Remainder:
 
     def stage_tail(self, param_bytes: float) -> float:
         """The least tail of a stage whose parameters take `param_bytes`."""
-        model = self.model
-        if model.layout.data_parallel_only:
-            return model.least_step_s(param_bytes)  # DDP overlaps its all-reduce with the backward
-        allreduce = min(model.allreduce_s(s, param_bytes) for s in self._allreduce_stages)
-        return allreduce + model.apply_gradients_s(param_bytes) + model.least_step_s(param_bytes)
+        return self.model.least_tail_s(param_bytes)
 
     def largest_block_bytes(self, start: int, stop: int | None = None) -> int:
         return self._max_bytes(start, self.n if stop is None else stop)
@@ -213,7 +205,7 @@ class Remainder:
         return self.stage_tail(max(self.param_bytes(start, stop) / stages, self.largest_block_bytes(start, stop)))
 
     def tail_total(self, start: int, stop: int | None = None) -> float:
-        """The least sum of the stages' tails (an all-reduce of a sum takes no longer than the sum of two)."""
+        """The least sum of the stages' tails (a collective of a sum takes no longer than the sum of two)."""
         return self.stage_tail(self.param_bytes(start, stop))
 
     def fits(self, start: int, rooms: list[float], stop: int | None = None) -> bool:
@@ -274,7 +266,10 @@ def layout_bound(model: CostModel, refined: bool = False) -> float:
         tail = rest.largest_stage_tail(0, s)
     else:
         tail = max(rest.stage_tail(rest.largest_block_bytes(0)), rest.tail_total(0) / p)
-    return makespan + model.step_overhead_s + tail
+    # a rank's step is at least its actions, the collectives of its stages' sharding and its tail: on average
+    # over the ranks, at least every stage's work and the least rate a sharding costs each byte
+    busy = (m * work + model.least_per_step_s_per_byte * rest.param_bytes(0)) / p
+    return max(makespan + tail, busy) + model.step_overhead_s
 
 
 def gradients_return(schedule: str) -> bool:

@@ -8,9 +8,9 @@ from dataclasses import replace
 from partita.cluster import Cluster
 from partita.errors import BatchError, PlanError
 from partita.graph import ModelGraph, Profile
-from partita.plan.cost import CostModel, Layout
+from partita.plan.cost import FSDP_LEVELS, CostModel, Layout, StageCost
 from partita.plan.explain import size
-from partita.plan.plan import Estimate, Plan, StagePlan, check_batch, divisors
+from partita.plan.plan import SHARDING_LEVELS, Estimate, Plan, StagePlan, check_batch, divisors
 from partita.plan.constraints import Constraints
 from partita.plan.search import (NODE_BUDGET, SEARCH_BUDGET, SEARCHED_SCHEDULES, Candidate, PartitionSearch,
                                   SearchResult, evaluate, layouts, search)
@@ -84,10 +84,11 @@ def to_plan(graph: ModelGraph, model: CostModel, best: Candidate, result: Search
             recompute=c.recompute, sharding=c.sharding, fwd_s=c.fwd_s, bwd_s=c.bwd_s, send_s=c.send_fwd_s,
             allreduce_s=c.allreduce_s,
             # "activations": what the rank holds beside its weights at its peak, the activations kept for the
-            # backward or, when larger, what the optimizer's step allocates ("step")
+            # backward with what FSDP's levels gather whole ("gathered") or, when larger, what the optimizer's
+            # step allocates ("step")
             memory={"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
-                    "activations": max(m.activations, m.step_transient), "step": m.step_transient,
-                    "buffers": m.buffers, "overhead": cluster.overhead_bytes},
+                    "activations": max(m.activations + m.gathered, m.step_transient), "step": m.step_transient,
+                    "gathered": m.gathered, "buffers": m.buffers, "overhead": cluster.overhead_bytes},
             memory_bytes=rank_total[position[s]],
         ))
     trace = best.trace
@@ -180,13 +181,18 @@ def _check_microbatch_split(graph: ModelGraph, world: int, per_rank: int, global
 
 def _data_parallel(graph, profile, cluster, global_batch, optimizer_factor,
                    sharding: str | None) -> tuple[float | None, int]:
-    """Step time of data parallelism alone (None if it does not fit) and its memory per rank."""
-    layout = Layout("GPipe", 1, 1, cluster.world_size, 1, global_batch // cluster.world_size, sharding)
-    model = CostModel(graph, profile, cluster, optimizer_factor, layout)
-    found = PartitionSearch(model, recompute=False).balanced()
-    cost = model.stage(0, 0, graph.num_blocks, False)
-    needed = _unconstrained_memory(model)
-    return (found.step_s if found else None), (cost.memory.total + cluster.overhead_bytes if cost else needed)
+    """Step time of data parallelism alone (None if it does not fit) and its memory per rank: the fastest of
+    its layouts (under DDP, and pipelined under FSDP's levels) with `sharding` (None: any)."""
+    world = cluster.world_size
+    steps, memory = [], []
+    for level in [sharding] if sharding is not None or world == 1 else [None, *FSDP_LEVELS]:
+        layout = Layout("GPipe", 1, 1, world, 1, global_batch // world, level)
+        model = CostModel(graph, profile, cluster, optimizer_factor, layout)
+        found = PartitionSearch(model, recompute=False).balanced()
+        cost = model.stage(0, 0, graph.num_blocks, False)
+        steps += [found.step_s] if found else []
+        memory.append(cost.memory.total + cluster.overhead_bytes if cost else _unconstrained_memory(model))
+    return min(steps, default=None), min(memory)
 
 
 def _unconstrained_memory(model: CostModel) -> int:
@@ -225,28 +231,90 @@ def _reasons(model: CostModel, chosen: Candidate, constraints: Constraints, resu
         out.append(f"recomputation on stage(s) {[s.index for s in plan.stages if s.recompute]} to fit memory")
     elif constraints.recompute is None:
         out.append(_no_recomputation_reason(model, chosen, plan))
-    if any(s.sharding != "none" for s in plan.stages) and constraints.sharding is None:
-        out.append(_sharding_reason(model, chosen, plan))
+    if constraints.sharding is None:
+        out.extend(_sharding_reasons(model, chosen, plan))
     return tuple(out)
 
 
-def _sharding_reason(model: CostModel, chosen: Candidate, plan: Plan) -> str:
-    """Why stages shard their optimizer state: what each replica keeps, and for each stage whether it would fit
-    without, or shards because its step is shorter (the optimizer steps the replica's share)."""
-    sharded = [(i, c, c.param_bytes * model.optimizer_factor) for i, c in enumerate(chosen.stages)
-               if c.sharding != "none"]
-    needs = [i for i, c, whole in sharded if c.memory.total - c.memory.optimizer + whole > model.capacity]
-    faster = [i for i, _, _ in sharded if i not in needs]
-    why = []
-    if needs:
-        why.append(f"stage(s) {needs} would not fit without it")
-    if faster:
-        gather = max(c.gather_s for i, c, _ in sharded if i in faster)
-        why.append(f"stage(s) {faster} step faster with it (each replica steps its share of the parameters; "
-                   f"sending their new values to the others takes {gather:.3g} s)")
-    return (f"optimizer state sharded over each stage's {plan.num_replicas} replicas (ZeRO-1) on stage(s) "
-            f"{[i for i, _, _ in sharded]}: a replica keeps {size(max(c.memory.optimizer for _, c, _ in sharded))} "
-            f"of it instead of {size(max(w for _, _, w in sharded))}; {'; '.join(why)}")
+_SHARDED = {"optimizer": "optimizer state sharded over each stage's {} replicas (ZeRO-1)",
+            "gradients": "gradients and optimizer state sharded over each stage's {} replicas (ZeRO-2, torch's "
+                         "FSDP; the parameters gathered once per step)",
+            "parameters": "parameters, gradients and optimizer state sharded over each stage's {} replicas "
+                          "(ZeRO-3, torch's FSDP; each block's parameters gathered for each forward and backward)"}
+
+
+def _sharding_reasons(model: CostModel, chosen: Candidate, plan: Plan) -> list[str]:
+    """Why stages shard, one reason per level taken: what a replica holds, against the same stage unsharded;
+    what it costs per step (collectives, and the step on the replica's share); and whether the stage would
+    not fit sharding less, or shards because it is fastest so (stage_time_s)."""
+    out = []
+    for level in SHARDING_LEVELS[1:]:
+        stages = [(i, c) for i, c in enumerate(chosen.stages) if c.sharding == level]
+        if not stages:
+            continue
+        needs, faster, each = [], [], []
+        less = [sh for sh in SHARDING_LEVELS[:SHARDING_LEVELS.index(level)]
+                if sh != "optimizer" or model.optimizer_factor > 0]
+        for i, c in stages:
+            time_s = _time_as(model, c.sharding)
+            lesser = [(cost, time_s(cost)) for cost in (_priced_as(model, i, c, sh) for sh in less)]
+            (unsharded, unsharded_s), own_s = lesser[0], time_s(c)
+            fitting = [(cost, t) for cost, t in lesser if cost.memory.total <= model.capacity]
+            if fitting:
+                best, best_s = min(fitting, key=lambda f: f[1])
+                faster.append(f"{i} ({_ms(best_s - own_s)} ms less per step than {best.sharding!r})")
+            else:
+                needs.append(i)
+            each.append(f"stage {i} holds {size(c.memory.total)} instead of {size(unsharded.memory.total)} "
+                        f"({size(unsharded.memory.total - c.memory.total)} less) and takes "
+                        f"{_more_or_less(own_s - unsharded_s)} per step" + _sharding_costs(c, unsharded))
+        why = ([f"stage(s) {needs} would not fit with less sharding"] if needs else []) \
+            + ([f"stage(s) {', '.join(faster)} are fastest with it"] if faster else [])
+        out.append(f"{_SHARDED[level].format(plan.num_replicas)} on stage(s) {[i for i, _ in stages]}: "
+                   f"{'; '.join(each)}; {'; '.join(why)}")
+    return out
+
+
+def _model_as(model: CostModel, sharding: str) -> CostModel:
+    """The cost model under which a stage of `model`'s layout takes `sharding`: another for data parallelism
+    alone, which FSDP's levels run pipelined and the others under DDP."""
+    if sharding in model.shardings:
+        return model
+    return CostModel(model.graph, model.profile, model.cluster, model.optimizer_factor,
+                     replace(model.layout, sharding=sharding))
+
+
+def _priced_as(model: CostModel, stage: int, cost: StageCost, sharding: str) -> StageCost:
+    """The chosen stage's blocks and recomputation under another sharding, fitting memory or not."""
+    return _model_as(model, sharding).priced(stage, *cost.blocks, cost.recompute, sharding)
+
+
+def _time_as(model: CostModel, sharding: str):
+    """A stage's time per step under `sharding`, with the layout's own overhead per step (DDP's and a
+    pipeline's differ), to compare levels with."""
+    other = _model_as(model, sharding)
+    return lambda cost: other.stage_time_s(cost) + other.step_overhead_s
+
+
+def _sharding_costs(cost: StageCost, unsharded: StageCost) -> str:
+    """What a sharded stage's step costs beside its compute, against the same stage unsharded."""
+    parts = []
+    if cost.collective_s:
+        parts.append(f"collectives {_ms(cost.collective_s)} ms per micro-batch")
+    if cost.gather_s:
+        parts.append(f"an all-gather of the parameters {_ms(cost.gather_s)} ms per step")
+    if cost.allreduce_s < unsharded.allreduce_s:
+        parts.append(f"all-reduce {_ms(cost.allreduce_s)} ms instead of {_ms(unsharded.allreduce_s)}")
+    parts.append(f"optimizer step {_ms(cost.optimizer_s)} ms instead of {_ms(unsharded.optimizer_s)}")
+    return f" ({', '.join(parts)})"
+
+
+def _more_or_less(seconds: float) -> str:
+    return f"{_ms(abs(seconds))} ms {'more' if seconds >= 0 else 'less'}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.3g}"
 
 
 def _search_reason(result: SearchResult, plan: Plan) -> str:
@@ -363,7 +431,10 @@ def _infeasible(graph, profile, cluster, global_batch, optimizer_factor, constra
         changes.append("allow recomputation (recompute=None)")
     if constraints.stages or constraints.replicas:
         changes.append("let partita choose stages and replicas")
-    changes.append("a smaller local batch, weights in bfloat16 (half the bytes), an optimizer with less state "
-                   "(SGD keeps none), or sharding (a later partita version)")
+    if constraints.sharding not in (None, "parameters") and cluster.world_size > 1:
+        changes.append('sharding="parameters" (ZeRO-3: each stage\'s replicas split its parameters, gradients '
+                       'and optimizer state), or sharding=None (the planner\'s choice)')
+    changes.append("a smaller local batch, weights in bfloat16 (half the bytes), or an optimizer with less state "
+                   "(SGD keeps none)")
     lines.append("  smallest changes that would fit: " + "; ".join(changes))
     return "\n".join(lines)

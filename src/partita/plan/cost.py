@@ -1,21 +1,40 @@
 """Time and memory of one stage under one layout: the planner's cost model (pure Python).
 
 Memory of a rank = parameters + gradients (one copy: gradient accumulation over calls, which holds a second,
-is not planned for) + optimizer state + the larger of the activations and what the optimizer's step allocates
-while it runs (copies of the parameters the user's optimizer
-keeps: SGD 0, SGD with momentum 1, Adam 2) + activations kept for the backward (per micro-batch, times the
-micro-batches the schedule holds at once on that stage; with recomputation only the stage's inputs are kept,
-plus one micro-batch's activations while it is recomputed) + communication buffers (torch's PipelineStage
-allocates a receive buffer per micro-batch for activations and for gradients; the gradient all-reduce packs
-buckets) + the process's fixed overhead.
+is not planned for) + optimizer state (copies of the parameters the user's optimizer keeps: SGD 0, SGD with
+momentum 1, Adam 2) + the larger of what the backward holds (activations kept for it, per micro-batch, times
+the micro-batches the schedule holds at once on that stage; with recomputation only the stage's inputs are
+kept, plus one micro-batch's activations while it is recomputed; and what a sharded stage gathers whole, below)
+and what the optimizer's step allocates while it runs + communication buffers (torch's PipelineStage allocates
+a receive buffer per micro-batch for activations and for gradients; the gradient all-reduce packs buckets) +
+the process's fixed overhead.
 
-Time of a stage per micro-batch = forward + backward (+ forward again when recomputed); transfers to the
-neighbour stages; and, after the pipeline drains, the all-reduce of its gradients over its replicas, putting
-them into .grad and the optimizer step, which partita's runtime does not overlap with the pipeline.
+Time of a stage per micro-batch = forward + backward (+ forward again when recomputed) + a sharded stage's
+collectives (below); transfers to the neighbour stages; and, after the pipeline drains, the all-reduce of its
+gradients over its replicas, putting them into .grad and the optimizer step, which partita's runtime does not
+overlap with the pipeline.
 
-Sharding (ZeRO-1, "optimizer"): each replica of a stage keeps 1/replicas of its optimizer state and steps only
-those parameters, then broadcasts their new values to the other replicas (an all-gather's volume) after the
-step. A stage takes it where it is what fits, or where it makes the step shorter (`runtime.sharding`).
+Sharding: what the R replicas of a stage (parameters P bytes, optimizer state O x P) split among themselves
+(plan.SHARDING_LEVELS). Each stage takes, among the levels that fit, the one with its shortest time (its
+micro-batches' forwards and backwards and what it adds per step); ties go to the level that shards less.
+- "none": every replica holds everything; gradients are all-reduced after the pipeline.
+- "optimizer" (ZeRO-1, `runtime.sharding`): each replica keeps O x P / R of the state and steps only its share
+  of the parameters, then broadcasts their new values to the others (an all-gather of P) after the step.
+- "gradients" (ZeRO-2) and "parameters" (ZeRO-3) run under torch's FSDP2 over the stage's replicas, each block
+  one unit (blocks that share a parameter one unit; U: the largest unit's bytes). A replica keeps P / R of the
+  parameters, of the gradients and of O x P of the state, steps only its shard (no all-reduce, no gather after
+  the step), and holds the reduce-scatter's input (U) among its buffers. "gradients" gathers the parameters
+  once per step (an all-gather of P, counted with what the stage adds per step) and keeps them whole until its
+  last backward, which holds them and one unit's whole gradient (P + U) beside its activations; every
+  micro-batch's backward reduce-scatters the gradients (the time of an all-gather of P). "parameters" gathers
+  each unit before each micro-batch's forward and again before its backward (a recomputed forward runs after
+  the backward's gather), holding two units (the running one and the next, prefetched) and one unit's whole
+  gradient (3 U) beside its activations: an all-gather of P per forward, an all-gather and a reduce-scatter of
+  P per backward. The model does not overlap these collectives with compute (conservative: on CPUs they use
+  the same cores). A parameter that another stage also reads (a tied weight) is not sharded: it stays whole,
+  all-reduced after the pipeline and stepped whole.
+Under FSDP's levels data parallelism alone (one stage, one micro-batch) runs under partita's pipelined runtime
+with one stage instead of torch's DDP, and is costed as such (`Layout.pipelined`).
 """
 
 from __future__ import annotations
@@ -31,6 +50,8 @@ from partita.schedule.inflight import micro_batches_in_flight
 from partita.schedule.catalog import stages_per_rank
 
 GRAD_BUCKET_BYTES = 32 * 2**20  # partita.runtime.grads.BUCKET_BYTES
+# the sharding levels torch's FSDP2 runs (plan.SHARDING_LEVELS), under partita's pipelined runtime only
+FSDP_LEVELS = ("gradients", "parameters")
 
 
 @dataclass(frozen=True)
@@ -49,9 +70,17 @@ class Layout:
     def data_parallel_only(self) -> bool:
         return self.num_stages == 1 and self.micro_batches == 1
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether partita's pipelined runtime runs it: every layout but data parallelism alone (torch's DDP),
+        and that too where its sharding is one of FSDP's, which DDP does not run (`search.layouts` offers data
+        parallelism alone with each of them fixed, and with the others)."""
+        return not self.data_parallel_only or self.sharding in FSDP_LEVELS
+
     def describe(self) -> str:
+        fixed = f", sharding {self.sharding}" if self.sharding is not None else ""
         return (f"{self.num_stages} stage(s) x {self.num_replicas} replica(s), {self.schedule}, "
-                f"{self.micro_batches} micro-batch(es) of {self.micro_batch_rows} rows")
+                f"{self.micro_batches} micro-batch(es) of {self.micro_batch_rows} rows{fixed}")
 
 
 @dataclass(frozen=True)
@@ -63,29 +92,37 @@ class Memory:
     buffers: int
     # what the optimizer's step allocates while it runs, after the backward freed the activations
     step_transient: int = 0
+    # what FSDP's levels hold whole beside the activations while computing: gathered parameters and one unit's
+    # whole gradient
+    gathered: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.buffers + max(self.activations, self.step_transient)
+        return (self.params + self.grads + self.optimizer + self.buffers
+                + max(self.activations + self.gathered, self.step_transient))
 
 
 @dataclass(frozen=True)
 class StageCost:
     blocks: tuple[int, int]
     recompute: bool
-    fwd_s: float
-    bwd_s: float  # includes the recomputed forward
+    fwd_s: float  # includes the collectives of FSDP's levels (collective_s)
+    bwd_s: float  # includes the recomputed forward and the collectives of FSDP's levels
     send_fwd_s: float  # its outputs to the next stage's rank, per micro-batch
     send_bwd_s: float  # its input gradients to the previous stage's rank, per micro-batch
     memory: Memory  # without the process's own memory (a rank-level cost)
     param_bytes: int
-    allreduce_s: float  # summing its gradients over its replicas, after the pipeline
+    allreduce_s: float  # summing its gradients over its replicas, after the pipeline (FSDP's levels: tied ones)
     optimizer_s: float  # the optimizer step on its parameters (on this replica's share, when sharded)
     # a pipeline holds a step's gradients aside until loss.backward() (so that the caller's gradient scales them):
     # packing them for the all-reduce, scaling them and putting them into .grad, after the pipeline
     apply_gradients_s: float = 0.0
     sharding: str = "none"  # what its replicas split among themselves (plan.SHARDING_LEVELS)
-    gather_s: float = 0.0  # after the optimizer step, each replica's share of new values sent to the others
+    # once per step, an all-gather of its parameters over its replicas: "optimizer", after the step, each
+    # replica's share of new values sent to the others; "gradients", before its first forward
+    gather_s: float = 0.0
+    # per micro-batch, the all-gathers and reduce-scatters of FSDP's levels (in fwd_s and bwd_s)
+    collective_s: float = 0.0
 
     @property
     def work_s(self) -> float:
@@ -107,10 +144,17 @@ class CostModel:
         self.ranks = _rank_layout(layout.schedule, layout.num_stages, layout.num_replicas)  # [stage][replica]
         self._stage = lru_cache(maxsize=None)(self._compute_stage)
         self._floor = lru_cache(maxsize=None)(self._compute_floor)
-        self.pipelined = not layout.data_parallel_only
+        self._units = lru_cache(maxsize=None)(self._compute_units)
+        # asked for again by the choice among levels, memory_needed and memory_floor
+        self._memory = lru_cache(maxsize=None)(self._compute_memory)
+        self.pipelined = layout.pipelined
         self.shardings = _shardings(layout, optimizer_factor)
+        # per parameter read by more than one block, those blocks in order (tied weights; FSDP's units)
+        self._shared = _shared_params(graph)
         # the least bytes of weights + gradients + optimizer state per byte of parameters, over the shardings
-        self.static_per_param_byte = 2 + min(self._optimizer_share(s) for s in self.shardings) * optimizer_factor
+        self.static_per_param_byte = min(self._kept_share(s) * (2 + optimizer_factor) if s in FSDP_LEVELS
+                                         else 2 + self._optimizer_share(s) * optimizer_factor
+                                         for s in self.shardings)
         self.capacity = cluster.memory_per_rank - cluster.overhead_bytes
         # ranks that share cores (CPU processes) slow each other down while they compute; a pipeline's ranks
         # compute only outside its bubble, estimated here by the classic (P-1) / (M*v + P-1)
@@ -120,6 +164,10 @@ class CostModel:
         self.step_stretch = cluster.contention(1.0)  # every rank steps its optimizer at the same time
         self.action_s = cluster.action_overhead_s if self.pipelined else 0.0  # partita's runtime per action
         self.step_overhead_s = cluster.step_overhead_s(self.pipelined)  # per step, on every rank
+        # the collectives over a stage's replicas differ between stages only by how many ranks and nodes take
+        # part: one stage of each kind, for bounds
+        groups = {(len(ranks), len({cluster.node_of(r) for r in ranks})): s for s, ranks in enumerate(self.ranks)}
+        self.replica_group_stages = tuple(groups.values())
 
     @cached_property
     def in_flight(self) -> tuple[int, ...]:
@@ -168,7 +216,7 @@ class CostModel:
         return self._floor(stage, start, stop)
 
     def _compute_floor(self, stage: int, start: int, stop: int) -> int:
-        return min(self._memory(stage, start, stop, rc, outputs=False, sharding=sh).total
+        return min(self._memory(stage, start, stop, rc, outputs=False, sharding=sh, floor=True).total
                    for rc in (False, True) for sh in self.shardings)
 
     def activation_bytes(self, start: int, stop: int) -> float:
@@ -176,28 +224,83 @@ class CostModel:
         return self._act[stop] - self._act[start]
 
     def _optimizer_share(self, sharding: str) -> float:
-        """The part of a stage's optimizer state each replica keeps."""
-        return 1.0 / self.layout.num_replicas if sharding == "optimizer" else 1.0
+        """The part of a stage's optimizer state each replica keeps (FSDP's levels: of the sharded parameters)."""
+        return 1.0 if sharding == "none" else 1.0 / self.layout.num_replicas
 
-    def _memory(self, stage: int, start: int, stop: int, recompute: bool, outputs: bool = True,
-                sharding: str = "none") -> Memory:
+    def _kept_share(self, sharding: str) -> float:
+        """The part of a stage's sharded parameters (all but the tied ones) and of their gradients each replica
+        keeps between steps."""
+        return 1.0 / self.layout.num_replicas if sharding in FSDP_LEVELS else 1.0
+
+    def units(self, start: int, stop: int) -> tuple[int, int]:
+        """(bytes of the parameters of blocks [start, stop) that a block outside also reads, which FSDP's levels
+        keep whole; bytes of their largest FSDP unit: a block, or blocks that share a parameter)."""
+        return self._units(start, stop)
+
+    def _compute_units(self, start: int, stop: int) -> tuple[int, int]:
+        sizes = self.graph.param_bytes
+        whole = 0
+        unit_of = {b: b for b in range(start, stop)}  # union-find over the blocks that share parameters
+
+        def root(b: int) -> int:
+            while unit_of[b] != b:
+                b = unit_of[b]
+            return b
+
+        for name, blocks in self._shared.items():
+            inside = [b for b in blocks if start <= b < stop]
+            if not inside:
+                continue
+            if len(inside) < len(blocks):
+                whole += sizes[name]
+            for b in inside[1:]:
+                unit_of[root(b)] = root(inside[0])
+        members: dict[int, set[str]] = {}
+        for b in range(start, stop):
+            members.setdefault(root(b), set()).update(self.graph.blocks[b].params)
+        largest = max((sum(sizes[q] for q in params) for params in members.values()), default=0)
+        return whole, largest
+
+    def _compute_memory(self, stage: int, start: int, stop: int, recompute: bool, outputs: bool = True,
+                sharding: str = "none", floor: bool = False) -> Memory:
+        """`floor`: a lower bound that only grows with `stop`, for `memory_floor`: with FSDP's levels, as if no
+        parameter were tied to another stage (keeping one whole costs a replica more than it saves it, with
+        two or more replicas)."""
         params = self.param_bytes(start, stop)
         acts = self._act[stop] - self._act[start]
         in_bytes = self._boundary[start - 1] if start > 0 else 0.0
         out_bytes = self._boundary[stop - 1] if stop < self.num_blocks and outputs else 0.0
         held = self.in_flight[stage]
+        kept = (in_bytes * held + acts) if recompute else acts * held
+        received = self.layout.micro_batches * (in_bytes + out_bytes)  # PipelineStage's receive buffers
+        # torch's multi-tensor Adam-like steps (two or more copies of state) take the square root of the second
+        # moment into a new tensor of the parameters' size, of the parameters the replica steps
+        adam = self.optimizer_factor >= 2
+        if sharding in FSDP_LEVELS:
+            whole, unit = self.units(start, stop)
+            if floor:
+                whole = 0
+            sharded = params - whole
+            local = whole + sharded * self._kept_share(sharding)  # parameters, gradients, state: per byte
+            # gathered whole while computing: "gradients" all of them, "parameters" the running unit and the
+            # next (prefetched); with one unit's whole gradient
+            gathered = (sharded if sharding == "gradients" else min(2 * unit, sharded)) + unit
+            if floor:
+                # with one replica a tied parameter kept whole costs nothing more: only a unit is sure to be
+                # gathered; less the bytes that rounding each part down may shift between them
+                gathered = max(0, (gathered if self.layout.num_replicas > 1 else unit) - 4)
+            # the tied parameters' all-reduce bucket, and the reduce-scatter's input
+            buffers = received + min(whole, GRAD_BUCKET_BYTES) + unit
+            return Memory(int(local), int(local), int(local * self.optimizer_factor), int(kept), int(buffers),
+                          int(local) if adam else 0, int(gathered))
         # a pipeline's fresh gradients become .grad in place; only accumulating over calls (.grad already set)
         # holds a second copy, which the runtime logs (runtime.grads)
         grads = params
         # a pipeline sums gradients one bucket at a time; torch's DDP keeps a bucket for every gradient
-        buffers = (self.layout.micro_batches * (in_bytes + out_bytes) + min(params, GRAD_BUCKET_BYTES)
-                   if self.pipelined else params)
-        kept = (in_bytes * held + acts) if recompute else acts * held
+        buffers = received + min(params, GRAD_BUCKET_BYTES) if self.pipelined else params
         share = self._optimizer_share(sharding)
         optimizer = params * self.optimizer_factor * share
-        # torch's multi-tensor Adam-like steps (two or more copies of state) take the square root of the second
-        # moment into a new tensor of the parameters' size, of the parameters the replica steps
-        transient = params * share if self.optimizer_factor >= 2 else 0
+        transient = params * share if adam else 0
         return Memory(int(params), int(grads), int(optimizer), int(kept), int(buffers), int(transient))
 
     def forward_s(self, start: int, stop: int) -> float:
@@ -210,34 +313,53 @@ class CostModel:
         return (self._bwd[stop] - self._bwd[start] + self.gradient_traffic_s(param_bytes)) * self.compute_stretch \
             + self.action_s
 
+    def collectives_s(self, stage: int, sharded_bytes: float, sharding: str) -> tuple[float, float]:
+        """Seconds of FSDP's collectives over the stage's replicas per micro-batch, in its (forward, backward):
+        each backward reduce-scatters the gradients (an all-gather's time); "parameters" also gathers the
+        parameters before each forward and each backward."""
+        if sharding not in FSDP_LEVELS:
+            return 0.0, 0.0
+        gather = self.cluster.allgather_s(sharded_bytes, self.ranks[stage])
+        return (gather, 2 * gather) if sharding == "parameters" else (0.0, gather)
+
     def _compute_stage(self, stage: int, start: int, stop: int, recompute: bool | None) -> StageCost | None:
-        """Without recomputation before with it; for each, the sharding with the shortest step after the
-        pipeline among those that fit (it changes nothing else of the stage's time)."""
-        params = self.param_bytes(start, stop)
-        fwd, bwd = self.forward_s(start, stop), self.backward_s(start, stop, params)
+        """Without recomputation before with it; for each, the sharding with the stage's shortest time among
+        those that fit (`stage_time_s`; ties: the one that shards less)."""
         writes = any(self._writes[start:stop])
         options = [False, True] if recompute is None else [recompute]
         for rc in options:
             if rc and writes:
                 continue
-            fitting = [(self.step_s(int(params), sh), sh, memory) for sh in self.shardings
-                       for memory in [self._memory(stage, start, stop, rc, sharding=sh)]
-                       if memory.total <= self.capacity]
+            fitting = [self.priced(stage, start, stop, rc, sh) for sh in self.shardings
+                       if self._memory(stage, start, stop, rc, sharding=sh).total <= self.capacity]
             if fitting:
-                _, sharding, memory = min(fitting, key=lambda f: f[0])
-                return StageCost(
-                    blocks=(start, stop), recompute=rc, fwd_s=fwd, bwd_s=bwd + (fwd if rc else 0.0),
-                    send_fwd_s=self.boundary_s(stage, stop), send_bwd_s=self.boundary_s(stage - 1, start) if stage else 0.0,
-                    memory=memory, param_bytes=int(params), allreduce_s=self.allreduce_s(stage, int(params)),
-                    optimizer_s=self.optimizer_s(int(params)) * self._optimizer_share(sharding),
-                    apply_gradients_s=self.apply_gradients_s(params), sharding=sharding,
-                    gather_s=self.gather_s(int(params), sharding))
+                return min(fitting, key=self.stage_time_s)  # the first of equals: the one that shards less
         return None
+
+    def priced(self, stage: int, start: int, stop: int, recompute: bool, sharding: str) -> StageCost:
+        """Blocks [start, stop) as `stage` with this recomputation and sharding, fitting memory or not."""
+        params = self.param_bytes(start, stop)
+        fwd, bwd = self.forward_s(start, stop), self.backward_s(start, stop, params)
+        whole = self.units(start, stop)[0] if sharding in FSDP_LEVELS else 0
+        coll_fwd, coll_bwd = self.collectives_s(stage, params - whole, sharding)
+        allreduce, apply, optimizer, gather = self.per_step(stage, params, whole, sharding)
+        return StageCost(
+            blocks=(start, stop), recompute=recompute, fwd_s=fwd + coll_fwd,
+            bwd_s=bwd + (fwd if recompute else 0.0) + coll_bwd,  # a recomputed forward runs after the gathers
+            send_fwd_s=self.boundary_s(stage, stop), send_bwd_s=self.boundary_s(stage - 1, start) if stage else 0.0,
+            memory=self._memory(stage, start, stop, recompute, sharding=sharding), param_bytes=int(params),
+            allreduce_s=allreduce, optimizer_s=optimizer, apply_gradients_s=apply, sharding=sharding,
+            gather_s=gather, collective_s=coll_fwd + coll_bwd)
+
+    def stage_time_s(self, cost: StageCost) -> float:
+        """What a stage costs its rank per step: its micro-batches' forwards and backwards, and its tail."""
+        return self.layout.micro_batches * cost.work_s + self.tail_s(cost)
 
     def tail_s(self, cost: StageCost) -> float:
         """What a stage adds to its rank's work after the pipeline drains: the all-reduce of its gradients (with
-        DDP only the part that outlasts the backward), putting them into .grad, and the optimizer step."""
-        if self.layout.data_parallel_only:
+        DDP only the part that outlasts the backward), putting them into .grad, and the optimizer step; and
+        the once-per-step all-gather of its parameters where its sharding has one (`gather_s`)."""
+        if not self.pipelined:
             # DDP reduces buckets while the backward runs: only what outlasts the backward shows, and that
             # costs more where the two compete for the same cores (the measured interference)
             exposed = max(cost.allreduce_s - cost.bwd_s, cost.allreduce_s * min(1.0, 25e6 / max(cost.param_bytes, 1)))
@@ -250,32 +372,54 @@ class CostModel:
         gradients with autograd.grad, which accumulates nothing."""
         return param_bytes * (3 if self.pipelined else 2) / self.stream_bps
 
-    def apply_gradients_s(self, param_bytes: float) -> float:
+    def apply_gradients_s(self, param_bytes: float, shard_bytes: float = 0.0) -> float:
         """After a pipelined step: with replicas, the gradients are copied into all-reduce buckets (read one, write
-        one); then scaled (read one, write one). DDP does none of this outside its backward."""
+        one); then scaled (read one, write one). FSDP's levels scale only the replica's `shard_bytes` of the
+        sharded gradients (they are reduced already). DDP does none of this outside its backward."""
         if not self.pipelined:
             return 0.0
         passes = 2 + (2 if self.layout.num_replicas > 1 else 0)
-        return param_bytes * passes / self.stream_bps * self.step_stretch
+        return (param_bytes * passes + shard_bytes * 2) / self.stream_bps * self.step_stretch
 
-    def allreduce_s(self, stage: int, param_bytes: int) -> float:
-        return self.cluster.allreduce_s(param_bytes, self.ranks[stage])
+    def per_step(self, stage: int, param_bytes: int, whole: int, sharding: str) -> tuple[float, float, float, float]:
+        """Per step, (all-reduce, gradients into .grad, optimizer step, all-gather) seconds of a stage's
+        parameters, `whole` bytes of which FSDP's levels keep whole (the rest they shard)."""
+        ranks, replicas = self.ranks[stage], self.layout.num_replicas
+        if sharding in FSDP_LEVELS:
+            shard = (param_bytes - whole) / replicas
+            gather = self.cluster.allgather_s(param_bytes - whole, ranks) if sharding == "gradients" else 0.0
+            return (self.cluster.allreduce_s(whole, ranks), self.apply_gradients_s(whole, shard),
+                    self.optimizer_s(whole + shard), gather)
+        gather = self.cluster.allgather_s(param_bytes, ranks) if sharding == "optimizer" else 0.0
+        return (self.cluster.allreduce_s(param_bytes, ranks), self.apply_gradients_s(param_bytes),
+                self.optimizer_s(param_bytes) * self._optimizer_share(sharding), gather)
 
-    def step_s(self, param_bytes: int, sharding: str) -> float:
-        """The optimizer's step on a stage's parameters and, sharded, sending the new values out."""
-        return self.optimizer_s(param_bytes) * self._optimizer_share(sharding) + self.gather_s(param_bytes, sharding)
+    def least_tail_s(self, param_bytes: int) -> float:
+        """The least `tail_s` of any stage whose parameters take `param_bytes`, under any sharding allowed (for
+        bounds: sharing no parameter with another stage is cheapest)."""
+        parts = [self.per_step(s, param_bytes, 0, sh) for s in self.replica_group_stages for sh in self.shardings]
+        if not self.pipelined:
+            return min(optimizer + gather for _, _, optimizer, gather in parts)  # DDP: the all-reduce may hide
+        return min(map(sum, parts))
 
-    def least_step_s(self, param_bytes: int) -> float:
-        """step_s under the cheapest sharding allowed (for bounds)."""
-        return min(self.step_s(param_bytes, sh) for sh in self.shardings)
+    @cached_property
+    def least_per_step_s_per_byte(self) -> float:
+        """The least seconds per byte of its parameters that a stage's sharding costs it per step, over the
+        levels and replica groups: its micro-batches' collectives and its tail (with DDP the part of it that
+        cannot hide). Each of those is a latency plus bytes times a rate, so every stage's cost is at least
+        this times its bytes (for bounds; a parameter kept whole costs at least "none"'s rate)."""
+        big = float(2**40)
 
-    def gather_s(self, param_bytes: int, sharding: str) -> float:
-        """Each replica broadcasts the parameters it stepped to the others: an all-gather's volume."""
-        if sharding == "none":
-            return 0.0
-        return self.cluster.allgather_s(param_bytes, self.ranks[0])
+        def cost_s(stage: int, sharding: str, nbytes: float) -> float:
+            allreduce, apply, optimizer, gather = self.per_step(stage, int(nbytes), 0, sharding)
+            collectives = self.layout.micro_batches * sum(self.collectives_s(stage, nbytes, sharding))
+            return collectives + (allreduce + apply if self.pipelined else 0.0) + optimizer + gather
 
-    def optimizer_s(self, param_bytes: int) -> float:
+        # the rate, from two sizes past any latency; less a rounding margin
+        return min((cost_s(s, sh, 2 * big) - cost_s(s, sh, big)) / big
+                   for s in self.replica_group_stages for sh in self.shardings) * (1 - 1e-9)
+
+    def optimizer_s(self, param_bytes: float) -> float:
         """The optimizer step is memory-bound: read weights, gradients and state, write weights and state."""
         return param_bytes * (3 + 2 * self.optimizer_factor) / self.stream_bps * self.step_stretch
 
@@ -307,10 +451,21 @@ def _prefix(values: list[float]) -> list[float]:
 
 
 def _shardings(layout: Layout, optimizer_factor: float) -> tuple[str, ...]:
-    """The sharding levels a stage may take: the one fixed, else sharding the optimizer's state where there are
-    replicas to share it and state to share."""
+    """The sharding levels a stage may take, least sharded first: the one fixed, else, where there are replicas
+    to share among, the optimizer's state (where there is state to share) and FSDP's levels (where DDP does
+    not run the layout)."""
     if layout.sharding is not None:
         return (layout.sharding,)
-    if layout.num_replicas > 1 and optimizer_factor > 0:
-        return ("none", "optimizer")
-    return ("none",)
+    if layout.num_replicas == 1:
+        return ("none",)
+    return (("none",) + (("optimizer",) if optimizer_factor > 0 else ())
+            + (FSDP_LEVELS if layout.pipelined else ()))
+
+
+def _shared_params(graph: ModelGraph) -> dict[str, list[int]]:
+    """Per parameter that more than one block reads, those blocks in order."""
+    readers: dict[str, list[int]] = {}
+    for i, block in enumerate(graph.blocks):
+        for name in block.params:
+            readers.setdefault(name, []).append(i)
+    return {name: blocks for name, blocks in readers.items() if len(blocks) > 1}

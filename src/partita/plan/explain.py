@@ -96,7 +96,8 @@ def explain(plan) -> str:
     if any(m is not None for m in memory):
         lines.append("memory/rank = params+grads+optim + activations + buffers + process: what the process uses "
                      "besides its stages (libraries, device context, the inputs); activations: kept for the "
-                     "backward, or what the optimizer's step allocates where that is more")
+                     "backward (with what a stage sharded by FSDP gathers whole), or what the optimizer's step "
+                     "allocates where that is more")
         for ranks, indices in held.items():
             if len(indices) > 1:
                 names = ", ".join(map(str, indices[:-1])) + f" and {indices[-1]}"

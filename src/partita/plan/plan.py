@@ -26,8 +26,6 @@ VERSION = 3
 # What the replicas of a stage split among themselves instead of each holding it whole (ZeRO's levels):
 # nothing, the optimizer's state (ZeRO-1), + the gradients (ZeRO-2), + the parameters (ZeRO-3)
 SHARDING_LEVELS = ("none", "optimizer", "gradients", "parameters")
-# the levels this version's runtime runs
-RUNNABLE_SHARDING = SHARDING_LEVELS
 # what the stages compute in: float32, or bfloat16 / float16 under autocast with float32 weights and state;
 # by the name torch gives each dtype
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -246,9 +244,6 @@ def check_sharding(level: str) -> None:
     """Raise PlanError unless `level` is a sharding level this version runs."""
     if level not in SHARDING_LEVELS:
         raise PlanError(f"unknown sharding {level!r}; choose one of {', '.join(SHARDING_LEVELS)}")
-    if level not in RUNNABLE_SHARDING:
-        raise PlanError(f"sharding={level!r} (ZeRO-{SHARDING_LEVELS.index(level)}) is not in this partita version "
-                        f"yet: choose one of {', '.join(RUNNABLE_SHARDING)}")
 
 
 def divisors(n: int) -> list[int]:

@@ -29,7 +29,7 @@ from partita.cluster import Cluster
 from partita.graph import ModelGraph, Profile
 from partita.plan.bounds import Remainder, gpipe, gradients_return, layout_bound, water_level
 from partita.plan.constraints import Constraints
-from partita.plan.cost import CostModel, Layout, StageCost
+from partita.plan.cost import FSDP_LEVELS, CostModel, Layout, StageCost
 from partita.plan.explain import size
 from partita.plan.partition import balance
 from partita.plan.plan import divisors
@@ -103,6 +103,10 @@ def layouts(graph: ModelGraph, cluster: Cluster, global_batch: int, constraints:
                 except ValueError:
                     continue
                 out.append(Layout(schedule, num_stages, depth, replicas, m, rows // m, constraints.sharding))
+                if num_stages == 1 and m == 1 and replicas > 1 and constraints.sharding is None:
+                    # data parallelism alone under FSDP's levels runs pipelined, not under DDP: layouts of
+                    # their own (Layout.pipelined)
+                    out.extend(Layout(schedule, 1, depth, replicas, 1, rows, level) for level in FSDP_LEVELS)
     return out
 
 
