@@ -22,7 +22,7 @@ from partita.errors import BatchError, PlanError
 from partita.graph import ModelGraph
 from partita.launch import env
 from partita.plan import Constraints, Plan
-from partita.plan.choose import simulate_plan, user_loss_problem
+from partita.plan.choose import simulate_plan
 from partita.plan.plan import check_sharding
 from partita.planning import Planned, PlanRequest, agreed_plan
 from partita.runtime import agreement
@@ -232,8 +232,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                         "(parallelize(model, optimizer, ...)), or use precision='bf16'.")
     constraints = Constraints(stages=stages, replicas=replicas, micro_batches=micro_batches, schedule=schedule,
                               recompute=recompute, sharding=sharding, precision=precision, user_loss=loss_fn is None)
-    if schedule is not None and not constraints.allows_schedule(schedule):
-        raise PlanError(user_loss_problem(schedule))
+    if schedule is not None and constraints.schedule_problem(schedule):
+        raise PlanError(constraints.schedule_problem(schedule))
     # from now on partita.shutdown() tells the other ranks when this one stops calling the model
     env.before_leaving(agreement.leave)
     reader = model_weights(weights, model, strict=strict) if weights is not None else None

@@ -21,7 +21,6 @@ from partita.graph import ModelGraph, Profile
 from partita.graph.profile import roofline_profile
 from partita.launch import env
 from partita.plan import Constraints, Plan, choose_plan
-from partita.plan.choose import user_loss_problem
 from partita.plan.plan import PRECISION_DTYPES
 from partita.profile import Parallelize, device_spec, measure
 from partita.runtime import agreement
@@ -108,8 +107,8 @@ def _make_plan(graph: ModelGraph, global_batch: int, profile: Profile | None, cl
             f"the plan was made for another model (graph {plan.fingerprint}, this model's graph is "
             f"{graph.fingerprint}, {graph.num_blocks} blocks). Make a new plan for this model, or drop plan=... "
             "to let partita plan.")
-    if not request.constraints.allows_schedule(plan.schedule):
-        raise PlanError(f"the plan given runs {plan.schedule}. {user_loss_problem(plan.schedule)}")
+    if request.constraints.schedule_problem(plan.schedule):
+        raise PlanError(f"the plan given runs {plan.schedule}. {request.constraints.schedule_problem(plan.schedule)}")
     if plan.precision != request.constraints.precision:
         raise PlanError(f"the plan given computes in {plan.precision}, but parallelize was asked for "
                         f"precision={request.constraints.precision!r}: pass precision={plan.precision!r} with this "

@@ -1,6 +1,7 @@
 """The planner's prices for the four sharding levels (cost model formulas, the choice among them, the bounds
 the search relies on): pure Python, no torch."""
 
+import dataclasses
 import random
 import re
 
@@ -152,21 +153,22 @@ def test_data_parallel_with_fsdp_levels_is_costed_as_pipelined():
     assert dp == [None, "gradients", "parameters"]
 
 
-def test_a_parameter_another_stage_reads_stays_whole():
-    """Blocks 0 and 3 share a parameter (a tied weight across the stages [0, 2) and [2, 4)); blocks 1 and 2
-    share one within the second stage, which makes them one FSDP unit."""
+def test_a_parameter_several_blocks_read_stays_whole():
+    """Blocks 0 and 3 share a parameter (a tied weight across the stages [0, 2) and [2, 4)), blocks 1 and 2 one
+    within the second stage: FSDP's levels keep both whole (runtime.fully_sharded); a unit is a block's own
+    parameters."""
     graph, profile = graph_of([8, 4, 4, 4], shared=[(0, 3), (1, 2)])
     R = 4
     c = cluster(8, 10**4)
     model = CostModel(graph, profile, c, 2, Layout("1F1B", 2, 2, R, 4, 2))
-    assert model.units(0, 2) == (4 * MB, 10 * MB)  # t0 (2 MB) and t1 (2 MB) are read by the other stage
-    assert model.units(1, 4) == (2 * MB, 10 * MB)  # t0: block 0; blocks 1 and 2: one unit of 4 + 4 + 2 MB
-    assert model.units(0, 4) == (0, 14 * MB)  # nothing tied to another stage; blocks 0 and 3: 8 + 4 + 2 MB
+    assert model.units(0, 2) == (4 * MB, 8 * MB)  # t0 and t1 (2 MB each) whole; block 0's own 8 MB
+    assert model.units(2, 4) == (4 * MB, 4 * MB)
+    assert model.units(0, 4) == (4 * MB, 8 * MB)
     whole, P = 4 * MB, 16 * MB
     cost = model.priced(0, 0, 2, False, "gradients")
     kept = whole + (P - whole) / R
     assert (cost.memory.params, cost.memory.optimizer) == (int(kept), int(2 * kept))
-    assert cost.memory.gathered == (P - whole) + 10 * MB
+    assert cost.memory.gathered == (P - whole) + 8 * MB
     assert cost.allreduce_s == pytest.approx(c.allreduce_s(whole, model.ranks[0]))
     assert cost.gather_s == pytest.approx(c.allgather_s(P - whole, model.ranks[0]))
 
@@ -193,3 +195,23 @@ def test_memory_floors_are_lower_bounds_that_grow_with_the_stage():
                                 assert floor <= model.priced(stage, a, b, rc, sharding).memory.total
                                 checked += 1
     assert checked > 1000
+
+
+def test_zero_bubble_schedules_do_not_run_fsdp_levels():
+    """A zero-bubble schedule computes the weight gradients after the input gradients, when FSDP has already
+    reduced a block's: the planner never pairs them, a fixed pair is refused before planning, and so is a plan
+    that pairs them."""
+    graph, profile = graph_of([10] * 8)
+    c = cluster(8, 10**4)
+    for schedule in ("ZBVZeroBubble", "InterleavedZeroBubble"):
+        plan = choose_plan(graph, profile, c, global_batch=64, optimizer_factor=2,
+                           constraints=Constraints(stages=4, schedule=schedule))
+        assert {s.sharding for s in plan.stages} <= {"none", "optimizer"}
+        with pytest.raises(PlanError, match=f"{schedule} splits each backward.*sharding='optimizer'"):
+            choose_plan(graph, profile, c, global_batch=64, optimizer_factor=2,
+                        constraints=Constraints(stages=4, schedule=schedule, sharding="parameters"))
+        sharded = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, sharding="gradients")
+                                                         for s in plan.stages))
+        with pytest.raises(PlanError, match="stage 0: .*runs on torch's FSDP"):
+            sharded.validate()
+    assert Constraints(sharding="gradients").schedule_problem("1F1B") is None

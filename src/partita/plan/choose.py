@@ -8,9 +8,9 @@ from dataclasses import replace
 from partita.cluster import Cluster
 from partita.errors import BatchError, PlanError
 from partita.graph import ModelGraph, Profile
-from partita.plan.cost import FSDP_LEVELS, CostModel, Layout, StageCost
+from partita.plan.cost import CostModel, Layout, StageCost
 from partita.plan.explain import size
-from partita.plan.plan import SHARDING_LEVELS, Estimate, Plan, StagePlan, check_batch, divisors
+from partita.plan.plan import FSDP_LEVELS, SHARDING_LEVELS, Estimate, Plan, StagePlan, check_batch, divisors
 from partita.plan.constraints import Constraints
 from partita.plan.search import (NODE_BUDGET, SEARCH_BUDGET, SEARCHED_SCHEDULES, Candidate, PartitionSearch,
                                   SearchResult, evaluate, layouts, search)
@@ -126,8 +126,8 @@ def _check_constraints(graph: ModelGraph, cluster: Cluster, global_batch: int, c
     world = cluster.world_size
     if c.schedule is not None and c.schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {c.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    if c.schedule is not None and not c.allows_schedule(c.schedule):
-        raise PlanError(user_loss_problem(c.schedule))
+    if c.schedule is not None and c.schedule_problem(c.schedule):
+        raise PlanError(c.schedule_problem(c.schedule))
     per_rank = stages_per_rank(c.schedule) if c.schedule else 1
     if c.stages is not None:
         if c.stages < 1 or c.stages % per_rank or world % (c.stages // per_rank):
@@ -153,14 +153,6 @@ def _check_constraints(graph: ModelGraph, cluster: Cluster, global_batch: int, c
         raise PlanError(f"no layout meets stages={c.stages}, replicas={c.replicas}, micro_batches={c.micro_batches}, "
                         f"schedule={c.schedule} with a global batch of {global_batch} on {world} ranks (for example "
                         f"1F1B needs at least as many micro-batches as stages); relax one of them")
-
-
-def user_loss_problem(schedule: str) -> str:
-    """Why `schedule` cannot run when the user's code computes the loss, and the fix."""
-    return (f"{schedule} starts backwards before the last forward, but without loss_fn the loss is computed by "
-            f"your code after partita returns the outputs of every micro-batch, so only "
-            f"{' or '.join(FORWARDS_FIRST_SCHEDULES)} can run. Pass loss_fn=... to parallelize to use {schedule}, or "
-            f"choose {' or '.join(FORWARDS_FIRST_SCHEDULES)}.")
 
 
 def _check_microbatch_split(graph: ModelGraph, world: int, per_rank: int, global_batch: int,

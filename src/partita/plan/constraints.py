@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from partita.plan.plan import Plan
-from partita.schedule.catalog import FORWARDS_FIRST_SCHEDULES
+from partita.plan.plan import FSDP_LEVELS, Plan, fsdp_schedule_problem
+from partita.schedule.catalog import FORWARDS_FIRST_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -48,4 +48,16 @@ class Constraints:
     def allows_schedule(self, schedule: str) -> bool:
         if self.schedule is not None and schedule != self.schedule:
             return False
-        return not self.user_loss or schedule in FORWARDS_FIRST_SCHEDULES
+        return self.schedule_problem(schedule) is None
+
+    def schedule_problem(self, schedule: str) -> str | None:
+        """Why `schedule` cannot run under these constraints, and the fix; None where it can."""
+        if self.user_loss and schedule not in FORWARDS_FIRST_SCHEDULES:
+            return (f"{schedule} starts backwards before the last forward, but without loss_fn the loss is computed "
+                    f"by your code after partita returns the outputs of every micro-batch, so only "
+                    f"{' or '.join(FORWARDS_FIRST_SCHEDULES)} can run. Pass loss_fn=... to parallelize to use "
+                    f"{schedule}, or choose {' or '.join(FORWARDS_FIRST_SCHEDULES)}.")
+        if self.sharding in FSDP_LEVELS and schedule in SPLIT_BACKWARD_SCHEDULES:
+            return fsdp_schedule_problem(schedule, self.sharding)
+        return None
+

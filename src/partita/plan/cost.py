@@ -20,8 +20,8 @@ micro-batches' forwards and backwards and what it adds per step); ties go to the
 - "none": every replica holds everything; gradients are all-reduced after the pipeline.
 - "optimizer" (ZeRO-1, `runtime.sharding`): each replica keeps O x P / R of the state and steps only its share
   of the parameters, then broadcasts their new values to the others (an all-gather of P) after the step.
-- "gradients" (ZeRO-2) and "parameters" (ZeRO-3) run under torch's FSDP2 over the stage's replicas, each block
-  one unit (blocks that share a parameter one unit; U: the largest unit's bytes). A replica keeps P / R of the
+- "gradients" (ZeRO-2) and "parameters" (ZeRO-3) run under torch's FSDP2 over the stage's replicas, each block's
+  own parameters one unit (U: the largest unit's bytes). A replica keeps P / R of the
   parameters, of the gradients and of O x P of the state, steps only its shard (no all-reduce, no gather after
   the step), and holds the reduce-scatter's input (U) among its buffers. "gradients" gathers the parameters
   once per step (an all-gather of P, counted with what the stage adds per step) and keeps them whole until its
@@ -31,8 +31,8 @@ micro-batches' forwards and backwards and what it adds per step); ties go to the
   the backward's gather), holding two units (the running one and the next, prefetched) and one unit's whole
   gradient (3 U) beside its activations: an all-gather of P per forward, an all-gather and a reduce-scatter of
   P per backward. The model does not overlap these collectives with compute (conservative: on CPUs they use
-  the same cores). A parameter that another stage also reads (a tied weight) is not sharded: it stays whole,
-  all-reduced after the pipeline and stepped whole.
+  the same cores). A parameter that more than one block reads (a tied weight) is not sharded: it stays whole,
+  all-reduced after the pipeline and stepped whole (`runtime.fully_sharded`).
 Under FSDP's levels data parallelism alone (one stage, one micro-batch) runs under partita's pipelined runtime
 with one stage instead of torch's DDP, and is costed as such (`Layout.pipelined`).
 """
@@ -44,14 +44,12 @@ from functools import cached_property, lru_cache
 
 from partita.cluster import Cluster
 from partita.graph import ModelGraph, Profile
-from partita.plan.plan import rank_layout
+from partita.plan.plan import FSDP_LEVELS, rank_layout
 from partita.schedule import orders
 from partita.schedule.inflight import micro_batches_in_flight
-from partita.schedule.catalog import stages_per_rank
+from partita.schedule.catalog import SPLIT_BACKWARD_SCHEDULES, stages_per_rank
 
 GRAD_BUCKET_BYTES = 32 * 2**20  # partita.runtime.grads.BUCKET_BYTES
-# the sharding levels torch's FSDP2 runs (plan.SHARDING_LEVELS), under partita's pipelined runtime only
-FSDP_LEVELS = ("gradients", "parameters")
 
 
 @dataclass(frozen=True)
@@ -233,39 +231,23 @@ class CostModel:
         return 1.0 / self.layout.num_replicas if sharding in FSDP_LEVELS else 1.0
 
     def units(self, start: int, stop: int) -> tuple[int, int]:
-        """(bytes of the parameters of blocks [start, stop) that a block outside also reads, which FSDP's levels
-        keep whole; bytes of their largest FSDP unit: a block, or blocks that share a parameter)."""
+        """(bytes of the parameters of blocks [start, stop) that more than one block reads, which FSDP's levels
+        keep whole; bytes of their largest FSDP unit: a block's own parameters)."""
         return self._units(start, stop)
 
     def _compute_units(self, start: int, stop: int) -> tuple[int, int]:
         sizes = self.graph.param_bytes
-        whole = 0
-        unit_of = {b: b for b in range(start, stop)}  # union-find over the blocks that share parameters
-
-        def root(b: int) -> int:
-            while unit_of[b] != b:
-                b = unit_of[b]
-            return b
-
-        for name, blocks in self._shared.items():
-            inside = [b for b in blocks if start <= b < stop]
-            if not inside:
-                continue
-            if len(inside) < len(blocks):
-                whole += sizes[name]
-            for b in inside[1:]:
-                unit_of[root(b)] = root(inside[0])
-        members: dict[int, set[str]] = {}
-        for b in range(start, stop):
-            members.setdefault(root(b), set()).update(self.graph.blocks[b].params)
-        largest = max((sum(sizes[q] for q in params) for params in members.values()), default=0)
+        whole = sum(sizes[name] for name, blocks in self._shared.items()
+                    if any(start <= b < stop for b in blocks))
+        largest = max((sum(sizes[q] for q in set(self.graph.blocks[b].params) if q not in self._shared)
+                       for b in range(start, stop)), default=0)
         return whole, largest
 
     def _compute_memory(self, stage: int, start: int, stop: int, recompute: bool, outputs: bool = True,
                 sharding: str = "none", floor: bool = False) -> Memory:
         """`floor`: a lower bound that only grows with `stop`, for `memory_floor`: with FSDP's levels, as if no
-        parameter were tied to another stage (keeping one whole costs a replica more than it saves it, with
-        two or more replicas)."""
+        parameter were tied (keeping one whole costs a replica more than it saves it, with two or more
+        replicas)."""
         params = self.param_bytes(start, stop)
         acts = self._act[stop] - self._act[start]
         in_bytes = self._boundary[start - 1] if start > 0 else 0.0
@@ -415,9 +397,11 @@ class CostModel:
             collectives = self.layout.micro_batches * sum(self.collectives_s(stage, nbytes, sharding))
             return collectives + (allreduce + apply if self.pipelined else 0.0) + optimizer + gather
 
+        # FSDP's levels keep a tied parameter whole: at "none"'s rate, which may be the lesser
+        levels = set(self.shardings) | ({"none"} if set(self.shardings) & set(FSDP_LEVELS) else set())
         # the rate, from two sizes past any latency; less a rounding margin
         return min((cost_s(s, sh, 2 * big) - cost_s(s, sh, big)) / big
-                   for s in self.replica_group_stages for sh in self.shardings) * (1 - 1e-9)
+                   for s in self.replica_group_stages for sh in sorted(levels)) * (1 - 1e-9)
 
     def optimizer_s(self, param_bytes: float) -> float:
         """The optimizer step is memory-bound: read weights, gradients and state, write weights and state."""
@@ -458,8 +442,8 @@ def _shardings(layout: Layout, optimizer_factor: float) -> tuple[str, ...]:
         return (layout.sharding,)
     if layout.num_replicas == 1:
         return ("none",)
-    return (("none",) + (("optimizer",) if optimizer_factor > 0 else ())
-            + (FSDP_LEVELS if layout.pipelined else ()))
+    fsdp = layout.pipelined and layout.schedule not in SPLIT_BACKWARD_SCHEDULES
+    return ("none",) + (("optimizer",) if optimizer_factor > 0 else ()) + (FSDP_LEVELS if fsdp else ())
 
 
 def _shared_params(graph: ModelGraph) -> dict[str, list[int]]:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from partita.errors import BatchError, PlanError
 from partita.schedule.generate import check_sizes
-from partita.schedule.catalog import (LOOPED_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES,
-                                        stage_to_pipeline_rank, stages_per_rank)
+from partita.schedule.catalog import (LOOPED_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES,
+                                      V_SCHEDULES, stage_to_pipeline_rank, stages_per_rank)
 
 # 2: the micro-batch count is `micro_batches` (version 1 called it `num_microbatches`)
 # 3: each stage says how its replicas shard their state (`sharding`; earlier plans shard nothing), and the plan
@@ -26,6 +26,8 @@ VERSION = 3
 # What the replicas of a stage split among themselves instead of each holding it whole (ZeRO's levels):
 # nothing, the optimizer's state (ZeRO-1), + the gradients (ZeRO-2), + the parameters (ZeRO-3)
 SHARDING_LEVELS = ("none", "optimizer", "gradients", "parameters")
+# the levels torch's FSDP2 runs (partita.runtime.fully_sharded), under partita's pipelined runtime only
+FSDP_LEVELS = ("gradients", "parameters")
 # what the stages compute in: float32, or bfloat16 / float16 under autocast with float32 weights and state;
 # by the name torch gives each dtype
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -150,6 +152,8 @@ class Plan:
             raise PlanError(f"the stages cover {expect} blocks but the model has {self.num_blocks}")
         for stage in self.stages:
             check_sharding(stage.sharding)
+            if stage.sharding in FSDP_LEVELS and self.schedule in SPLIT_BACKWARD_SCHEDULES:
+                raise PlanError(f"stage {stage.index}: {fsdp_schedule_problem(self.schedule, stage.sharding)}")
         if self.precision not in PRECISIONS:
             raise PlanError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         every = sorted({r for st in self.stages for r in st.ranks})
@@ -238,6 +242,14 @@ def upgrade(data: dict) -> dict:
     if data.get("version") == 2:  # stages without `sharding` shard nothing
         data = data | {"version": VERSION}
     return data
+
+
+def fsdp_schedule_problem(schedule: str, sharding: str) -> str:
+    """Why a zero-bubble `schedule` does not run with FSDP's `sharding`, and the fix."""
+    return (f"{schedule} splits each backward into the input gradients and, later, the weight gradients, but "
+            f"sharding={sharding!r} runs on torch's FSDP, which reduces a block's gradients as soon as its input "
+            f"gradients are done. Choose another schedule (not {', '.join(SPLIT_BACKWARD_SCHEDULES)}), or "
+            "sharding='optimizer'.")
 
 
 def check_sharding(level: str) -> None:

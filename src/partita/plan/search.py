@@ -29,10 +29,10 @@ from partita.cluster import Cluster
 from partita.graph import ModelGraph, Profile
 from partita.plan.bounds import Remainder, gpipe, gradients_return, layout_bound, water_level
 from partita.plan.constraints import Constraints
-from partita.plan.cost import FSDP_LEVELS, CostModel, Layout, StageCost
+from partita.plan.cost import CostModel, Layout, StageCost
 from partita.plan.explain import size
 from partita.plan.partition import balance
-from partita.plan.plan import divisors
+from partita.plan.plan import FSDP_LEVELS, divisors
 from partita.schedule import check_sizes, orders
 from partita.schedule.catalog import stages_per_rank
 from partita.sim import StageCosts, Trace, simulate

@@ -25,10 +25,10 @@ from torch import nn
 
 from partita.capture.export import CapturedGraph
 from partita.graph import ModelGraph
-from partita.plan.plan import Plan
+from partita.plan.plan import FSDP_LEVELS, Plan
 from partita.runtime.batch import Call, Loss
 from partita.runtime.data_parallel import DataParallel
-from partita.runtime.fully_sharded import FSDP_LEVELS, ShardedUnits, fsdp_parameters, shard_stages
+from partita.runtime.fully_sharded import ShardedUnits, fsdp_parameters, shard_stages
 from partita.runtime.groups import stage_groups
 from partita.runtime.materialize import Initial, materialize
 from partita.runtime.ownership import named_state, ownership

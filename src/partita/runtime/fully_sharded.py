@@ -35,11 +35,8 @@ from torch.fx.passes.split_module import split_module
 
 from partita.errors import InternalError
 from partita.graph import ModelGraph
-from partita.plan.plan import Plan
+from partita.plan.plan import FSDP_LEVELS, Plan
 from partita.runtime.state import shard_like
-
-FSDP_LEVELS = ("gradients", "parameters")
-
 
 class Unit(nn.Module):
     """The parameters of one block, gathered by FSDP around `forward`, which runs a piece of a stage's graph

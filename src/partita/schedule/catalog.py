@@ -9,6 +9,8 @@ SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
 # every rank runs all its forwards before its first backward: these can run when the user's own code computes
 # the loss between the forward and the backward (tests/unit/test_schedule.py checks this against the orders)
 FORWARDS_FIRST_SCHEDULES = ("GPipe", "LoopedBFS")
+# zero-bubble schedules split each backward into the input gradients and, later, the weight gradients
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def stages_per_rank(schedule: str) -> int:
