@@ -235,6 +235,9 @@ _SHARDED = {"optimizer": "optimizer state sharded over each stage's {} replicas 
                           "(ZeRO-3, torch's FSDP; each block's parameters gathered for each forward and backward)"}
 
 
+_STAGES_DESCRIBED = 2  # stages whose sharding a reason details
+
+
 def _sharding_reasons(model: CostModel, chosen: Candidate, plan: Plan) -> list[str]:
     """Why stages shard, one reason per level taken: what a replica holds, against the same stage unsharded;
     what it costs per step (collectives, and the step on the replica's share); and whether the stage would
@@ -262,6 +265,8 @@ def _sharding_reasons(model: CostModel, chosen: Candidate, plan: Plan) -> list[s
                         f"{_more_or_less(own_s - unsharded_s)} per step" + _sharding_costs(c, unsharded))
         why = ([f"stage(s) {needs} would not fit with less sharding"] if needs else []) \
             + ([f"stage(s) {', '.join(faster)} are fastest with it"] if faster else [])
+        if len(each) > _STAGES_DESCRIBED:  # a deep pipeline's stages are much alike: a few say what they all do
+            each = each[:_STAGES_DESCRIBED] + [f"{len(each) - _STAGES_DESCRIBED} more stages alike"]
         out.append(f"{_SHARDED[level].format(plan.num_replicas)} on stage(s) {[i for i, _ in stages]}: "
                    f"{'; '.join(each)}; {'; '.join(why)}")
     return out
