@@ -1,6 +1,6 @@
-"""Memory the plan predicts vs memory each rank uses: two models x six layouts on 4 CPU ranks.
+"""Memory the plan predicts vs memory each rank uses: two models x nine layouts on 4 CPU ranks.
 
-    python bench/memory_accuracy.py [--steps 3]
+    python bench/memory_accuracy.py [--steps 3] [--models mlp,gpt] [--layouts "2 x 2, 1F1B;..."]
 
 Each layout is one `partita run -n 4` job. Its model is built on the meta device, so what a rank holds of it is
 what the plan placed there. Measured per rank: the peak resident memory during training steps (VmHWM, reset
@@ -30,6 +30,11 @@ LAYOUTS = {  # name -> parallelize arguments
     "2 x 2, 1F1B": {"stages": 2, "replicas": 2, "micro_batches": 4, "schedule": "1F1B", "sharding": "none"},
     "2 x 2, optimizer sharded": {"stages": 2, "replicas": 2, "micro_batches": 4, "schedule": "1F1B",
                                  "sharding": "optimizer"},
+    "data parallel, parameters sharded": {"stages": 1, "micro_batches": 1, "sharding": "parameters"},
+    "2 x 2, gradients sharded": {"stages": 2, "replicas": 2, "micro_batches": 4, "schedule": "1F1B",
+                                 "sharding": "gradients"},
+    "2 x 2, parameters sharded": {"stages": 2, "replicas": 2, "micro_batches": 4, "schedule": "1F1B",
+                                  "sharding": "parameters"},
     "4 stages, GPipe": {"stages": 4, "micro_batches": 4, "schedule": "GPipe", "recompute": False},
     "4 stages, GPipe, recomputed": {"stages": 4, "micro_batches": 4, "schedule": "GPipe", "recompute": True},
 }
@@ -117,6 +122,8 @@ def run_job(name: str, layout: str, steps: int, cache: str, tmp: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated, of: " + ", ".join(MODELS))
+    ap.add_argument("--layouts", help="semicolon-separated names of LAYOUTS (default: all)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--layout", help=argparse.SUPPRESS)
@@ -127,9 +134,9 @@ def main() -> None:
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         cache = os.path.join(tmp, "cache")
-        for name in MODELS:
+        for name in args.models.split(","):
             run_job(name, "data parallel", 1, cache, tmp)  # measures the blocks once, for the jobs below
-            for layout in LAYOUTS:
+            for layout in (args.layouts.split(";") if args.layouts else LAYOUTS):
                 r = run_job(name, layout, args.steps, cache, tmp)
                 errors = [(x["predicted"] - x["measured"]) / x["measured"] for x in r["ranks"]]
                 worst = max(worst, *(abs(e) for e in errors))

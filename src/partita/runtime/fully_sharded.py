@@ -36,6 +36,8 @@ from torch.fx.passes.split_module import split_module
 from partita.errors import InternalError
 from partita.graph import ModelGraph
 from partita.plan.plan import FSDP_LEVELS, Plan
+from partita.runtime.materialize import release_freed_memory
+from partita.runtime.optim import repoint_optimizer
 from partita.runtime.state import shard_like
 
 class Unit(nn.Module):
@@ -68,6 +70,30 @@ class UnitCall(nn.Module):
         return self.unit(self.piece, self.slots, *args)
 
 
+class StageRoot(nn.Module):
+    """The FSDP root over one stage's units, run around the stage's whole forward: with it the units share one
+    communication context (each unit its own root would keep its last reduce-scatter's input until the end
+    of the backward: one whole gradient per unit instead of one in all)."""
+
+    def __init__(self, units: list[Unit]):
+        super().__init__()
+        self.units = nn.ModuleList(units)
+
+    def forward(self, stage: nn.Module, *args):
+        return stage(*args)
+
+
+class ThroughRoot(nn.Module):
+    """A stage's module, run as its FSDP root's forward."""
+
+    def __init__(self, root: StageRoot, stage: nn.Module):
+        super().__init__()
+        self.root, self.stage = root, stage
+
+    def forward(self, *args):
+        return self.root(self.stage, *args)
+
+
 @dataclass
 class ShardedUnits:
     """This rank's FSDP units, in the order of the blocks they hold."""
@@ -76,12 +102,10 @@ class ShardedUnits:
     unit_of: dict[str, int] = field(default_factory=dict)  # parameter (canonical name) -> index in `units`
     stage_of_unit: list[int] = field(default_factory=list)
     levels: dict[int, str] = field(default_factory=dict)  # stage -> its level, for stages with units
+    roots: dict[int, StageRoot] = field(default_factory=dict)  # stage -> the root over its units
 
     def of_stage(self, stage: int) -> list[Unit]:
         return [u for u, s in zip(self.units, self.stage_of_unit) if s == stage]
-
-    def params(self) -> list[nn.Parameter]:
-        return [p for u in self.units for p in u.parameters()]
 
 
 def fsdp_parameters(plan: Plan, graph: ModelGraph) -> set[str]:
@@ -123,34 +147,25 @@ def shard_stages(module: nn.Module, optimizer: torch.optim.Optimizer | None, pla
                 out.unit_of[f] = len(out.units)
             out.units.append(unit)
             out.stage_of_unit.append(stage.index)
+        if out.of_stage(stage.index):
+            root = StageRoot(out.of_stage(stage.index))
+            fully_shard(root, mesh=mesh, reshard_after_forward=stage.sharding == "parameters")
+            out.roots[stage.index] = root
     for name, p in named.items():
         if id(p) in replaced:
             owner, _, attr = name.rpartition(".")
             setattr(module.get_submodule(owner), attr, replaced[id(p)])
     repoint_optimizer(optimizer, replaced, shard_like)
+    del named, replaced
+    release_freed_memory()  # the whole parameters the shards were cut from
     return out
 
 
-def repoint_optimizer(optimizer: torch.optim.Optimizer | None, replaced: dict[int, torch.Tensor],
-                      convert) -> None:
-    """The optimizer steps the new tensors: its parameter groups and state follow the modules; a state tensor
-    becomes `convert(value, new parameter)`."""
-    if optimizer is None or not replaced:
-        return
-    for group in optimizer.param_groups:
-        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
-    for p in [p for p in optimizer.state if id(p) in replaced]:
-        state, new = optimizer.state.pop(p), replaced[id(p)]
-        if not new.is_meta:
-            optimizer.state[new] = {k: convert(v, new) if isinstance(v, torch.Tensor) and v.dim() else v
-                                    for k, v in state.items()}
-
-
 def through_units(stage_module: fx.GraphModule, parameters: dict[str, str], sharded: ShardedUnits,
-                  stage: int) -> fx.GraphModule:
+                  stage: int) -> nn.Module:
     """`stage_module` (one stage's graph, reading parameters as attributes; `parameters`: attribute -> canonical
     name) cut into pieces that each read the parameters of at most one unit, every such piece called through
-    its unit, which passes it the parameters."""
+    its unit, which passes it the parameters; the whole run through the stage's root."""
     unit_attrs = {a: sharded.unit_of[f] for a, f in parameters.items() if f in sharded.unit_of}
     if not unit_attrs:
         return stage_module
@@ -192,7 +207,7 @@ def through_units(stage_module: fx.GraphModule, parameters: dict[str, str], shar
             delattr(top, node.target)
     top.graph.lint()
     top.recompile()
-    return top
+    return ThroughRoot(sharded.roots[stage], top)
 
 
 def reshard_after_call(units: list[Unit]) -> None:

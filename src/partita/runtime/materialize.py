@@ -30,6 +30,7 @@ from torch import nn
 
 from partita.errors import ModelError
 from partita.runtime import agreement
+from partita.runtime.optim import repoint_optimizer
 from partita.runtime.ownership import named_state
 from partita.runtime.route import buckets
 from partita.runtime.state import broadcast_packed
@@ -105,12 +106,12 @@ def materialize(module: nn.Module, optimizer: torch.optim.Optimizer | None, keep
         _set(module, p.names, t)
         if t is not p.tensor:
             replaced[id(p.tensor)] = t
-    _repoint(optimizer, replaced)
+    repoint_optimizer(optimizer, replaced, lambda value, new: value.to(new.device))
     del places, kept, from_file, rest, replaced
-    _release_freed_memory()
+    release_freed_memory()
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Give the memory of the tensors this rank dropped back to the system. Every rank went through the whole
     model (broadcast buckets, initializations); glibc's malloc keeps freed blocks below its mmap threshold, which
     rises to 32 MiB after freeing a big one, in its heap, still resident, though the rank keeps only its part."""
@@ -184,19 +185,6 @@ def _placed(p: _Place, kept: bool, device: torch.device) -> torch.Tensor:
         with torch.no_grad():
             t.copy_(value)
     return t
-
-
-def _repoint(optimizer: torch.optim.Optimizer | None, replaced: dict[int, torch.Tensor]) -> None:
-    """The optimizer steps the new tensors: its parameter groups and state follow the modules."""
-    if optimizer is None or not replaced:
-        return
-    for group in optimizer.param_groups:
-        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
-    for p in [p for p in optimizer.state if id(p) in replaced]:
-        state, new = optimizer.state.pop(p), replaced[id(p)]
-        if not new.is_meta:
-            optimizer.state[new] = {k: v.to(new.device) if isinstance(v, torch.Tensor) and v.dim() else v
-                                    for k, v in state.items()}
 
 
 # ---- values: rank 0's, or initialized -------------------------------------------------------------------------

@@ -45,3 +45,18 @@ def patch_optimizer(optimizer: torch.optim.Optimizer, full_state_dict, keep_loca
     optimizer.state_dict = types.MethodType(state_dict, optimizer)
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
     optimizer._partita_patched = True
+
+
+def repoint_optimizer(optimizer: torch.optim.Optimizer | None, replaced: dict[int, torch.Tensor],
+                      convert) -> None:
+    """The optimizer steps the new tensors: its parameter groups and state follow the modules; a state tensor
+    becomes `convert(value, new parameter)`."""
+    if optimizer is None or not replaced:
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    for p in [p for p in optimizer.state if id(p) in replaced]:
+        state, new = optimizer.state.pop(p), replaced[id(p)]
+        if not new.is_meta:
+            optimizer.state[new] = {k: convert(v, new) if isinstance(v, torch.Tensor) and v.dim() else v
+                                    for k, v in state.items()}
