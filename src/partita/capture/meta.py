@@ -66,11 +66,15 @@ def load_factory(target: str):
     return factory, Path(getattr(module, "__file__", module_name))
 
 
+_GRAPH_FORMAT = 2  # what _graph_to_json writes (2: the outputs' bytes); part of the cache key
+
+
 def _graph_to_json(graph: ModelGraph) -> str:
     data = {"blocks": [{**b.__dict__, "fwd_flops": b.fwd_flops.lines, "fwd_bytes": b.fwd_bytes.lines,
                         "activation_bytes": b.activation_bytes.lines} for b in graph.blocks],
             "param_bytes": graph.param_bytes, "boundary_bytes": [f.lines for f in graph.boundary_bytes],
-            "input_bytes": graph.input_bytes.lines, "fingerprint": graph.fingerprint}
+            "input_bytes": graph.input_bytes.lines, "fingerprint": graph.fingerprint,
+            "output_bytes": graph.output_bytes.lines}
     return json.dumps(data)
 
 
@@ -81,7 +85,7 @@ def _graph_from_json(text: str) -> ModelGraph:
                             "fwd_flops": fit(b["fwd_flops"]), "fwd_bytes": fit(b["fwd_bytes"]),
                             "activation_bytes": fit(b["activation_bytes"])}) for b in data["blocks"])
     return ModelGraph(blocks, data["param_bytes"], tuple(fit(f) for f in data["boundary_bytes"]),
-                      fit(data["input_bytes"]), data["fingerprint"])
+                      fit(data["input_bytes"]), data["fingerprint"], fit(data["output_bytes"]))
 
 
 def meta_graph(target: str, inputs: list[str], dtype: str = "float32") -> tuple[ModelGraph, bool]:
@@ -92,7 +96,8 @@ def meta_graph(target: str, inputs: list[str], dtype: str = "float32") -> tuple[
         text = source.read_text()
     except OSError:
         text = target
-    name = cache.key(hashlib.sha256(text.encode()).hexdigest(), target, inputs, dtype, torch.__version__)
+    name = cache.key(_GRAPH_FORMAT, hashlib.sha256(text.encode()).hexdigest(), target, inputs, dtype,
+                     torch.__version__)
     cached = cache.load("graph", name)
     if cached is not None:
         return _graph_from_json(cached), True

@@ -203,11 +203,14 @@ def model_graph(cap: CapturedGraph) -> ModelGraph:
             writes_buffers=any(u.writes_buffers for u in group),
         ))
     per_unit = _boundaries(crossings, len(us))
+    outputs = [o for o in cap.outputs if isinstance(o, fx.Node)]
     return ModelGraph(
         blocks=tuple(blocks), param_bytes=param_bytes,
         boundary_bytes=tuple(per_unit[b.units[1] - 1] for b in blocks[:-1]),
         input_bytes=Fit.through(1, sum(_bytes(placeholder_of[n].meta["val"], 1) for n in cap.user_inputs),
                                 2, sum(_bytes(placeholder_of[n].meta["val"], 2) for n in cap.user_inputs)),
+        output_bytes=Fit.through(1, sum(_bytes(o.meta["val"], 1) for o in outputs),
+                                 2, sum(_bytes(o.meta["val"], 2) for o in outputs)),
     )
 
 

@@ -78,6 +78,7 @@ class ModelGraph:
     boundary_bytes: tuple[Fit, ...]  # bytes live across the cut after block i (i < num_blocks - 1)
     input_bytes: Fit  # bytes of the tensor inputs of one call
     fingerprint: str = field(default="")
+    output_bytes: Fit = Fit.line(0.0, 0.0)  # bytes of the tensor outputs of one call
     # param_bytes_of by (start, stop): the planner asks for the same ranges under every candidate layout
     _param_bytes_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 

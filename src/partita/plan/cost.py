@@ -4,8 +4,9 @@ Memory of a rank = parameters + gradients (one copy: gradient accumulation over 
 is not planned for) + optimizer state (copies of the parameters the user's optimizer keeps: SGD 0, SGD with
 momentum 1, Adam 2) + the larger of what the backward holds (activations kept for it, per micro-batch, times
 the micro-batches the schedule holds at once on that stage; with recomputation only the stage's inputs are
-kept, plus one micro-batch's activations while it is recomputed; and what a sharded stage gathers whole, below)
-and what the optimizer's step allocates while it runs + communication buffers (torch's PipelineStage allocates
+kept, plus one micro-batch's activations while it is recomputed; on the last stage, what the loss keeps of the
+outputs (`loss_bytes`); and what a sharded stage gathers whole, below) and what the optimizer's step allocates
+while it runs + communication buffers (torch's PipelineStage allocates
 a receive buffer per micro-batch for activations and for gradients; the gradient all-reduce packs buckets) +
 the process's fixed overhead.
 
@@ -138,6 +139,7 @@ class CostModel:
         rows = layout.micro_batch_rows
         self._fwd, self._bwd, self._act = _block_prefixes(profile, rows)
         self._boundary = [b.at(rows) for b in graph.boundary_bytes]
+        self._outputs = graph.output_bytes.at(rows)  # the model's outputs, per micro-batch
         self._writes = [b.writes_buffers for b in graph.blocks]
         self.ranks = _rank_layout(layout.schedule, layout.num_stages, layout.num_replicas)  # [stage][replica]
         self._stage = lru_cache(maxsize=None)(self._compute_stage)
@@ -254,6 +256,8 @@ class CostModel:
         out_bytes = self._boundary[stop - 1] if stop < self.num_blocks and outputs else 0.0
         held = self.in_flight[stage]
         kept = (in_bytes * held + acts) if recompute else acts * held
+        if stop == self.num_blocks:
+            kept += self.loss_bytes(held)
         received = self.layout.micro_batches * (in_bytes + out_bytes)  # PipelineStage's receive buffers
         # torch's multi-tensor Adam-like steps (two or more copies of state) take the square root of the second
         # moment into a new tensor of the parameters' size, of the parameters the replica steps
@@ -284,6 +288,13 @@ class CostModel:
         optimizer = params * self.optimizer_factor * share
         transient = params * share if adam else 0
         return Memory(int(params), int(grads), int(optimizer), int(kept), int(buffers), int(transient))
+
+    def loss_bytes(self, held: int) -> float:
+        """What computing the loss from the model's outputs adds to the last stage, `held` micro-batches at once:
+        the loss function keeps a copy of each one's outputs for its backward (cross entropy: the
+        log-probabilities), a pipeline also keeps the outputs themselves until the micro-batch's backward, and
+        the backward makes the gradient of one micro-batch's outputs. Block profiles stop at the outputs."""
+        return ((2 if self.pipelined else 1) * held + 1) * self._outputs
 
     def forward_s(self, start: int, stop: int) -> float:
         """Seconds of one micro-batch's forward through blocks [start, stop) as one stage."""
