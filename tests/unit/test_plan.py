@@ -1,5 +1,6 @@
 """The planner's choices and the plan value: pure Python, no torch, no processes."""
 
+import dataclasses
 import re
 
 import pytest
@@ -8,6 +9,7 @@ from partita.cluster import Cluster, DeviceSpec, Link
 from partita.errors import BatchError, PlanError
 from partita.graph import Block, BlockCost, Fit, ModelGraph, Profile
 from partita.plan import Constraints, Plan, choose_plan
+from partita.plan.cost import CostModel, Layout
 from partita.plan.plan import SHARDING_LEVELS, rank_layout
 
 MB = 10**6
@@ -269,3 +271,20 @@ def test_one_row_per_replica_does_not_split():
                        constraints=Constraints(stages=2))
     assert (plan.num_replicas, plan.micro_batches) == (4, 1)
     assert "one micro-batch: each replica computes a single row, which does not split" in plan.reasons
+
+
+def test_the_last_stage_holds_what_the_loss_keeps_of_the_outputs():
+    """Outputs of 2 MB per row: the loss keeps a copy of each micro-batch's outputs it holds, a pipeline the
+    outputs too, and the backward makes one micro-batch's gradient of them; no other stage holds any of it."""
+    graph, profile = model([1e-4] * 4)
+    with_outputs = dataclasses.replace(graph, output_bytes=Fit.line(0, 2 * MB))
+    c = cluster(4, 10**4)
+    for layout, held, copies in ((Layout("GPipe", 2, 2, 2, 4, 2), 4, 2), (Layout("GPipe", 1, 1, 4, 1, 8), 1, 1)):
+        plain, loss = (CostModel(g, profile, c, 2, layout) for g in (graph, with_outputs))
+        last = layout.num_stages - 1
+        assert plain.in_flight[last] == held
+        added = (loss.priced(last, 2 if last else 0, 4, False, "none").memory.activations
+                 - plain.priced(last, 2 if last else 0, 4, False, "none").memory.activations)
+        assert added == (copies * held + 1) * 2 * MB * layout.micro_batch_rows
+        if last:
+            assert loss.priced(0, 0, 2, False, "none").memory == plain.priced(0, 0, 2, False, "none").memory
