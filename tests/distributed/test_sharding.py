@@ -54,6 +54,13 @@ def test_fsdp_levels_across_layouts(pools, name, options, sharding):
     fidelity(pools, 4, name, sharding=sharding, **options)
 
 
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "hf_bert"])
+def test_zero3_on_models_nobody_here_wrote(pools, name):
+    """HF models (tied embeddings, rotary buffers, attention masks) under ZeRO-3 over 2 replicas, eval calls
+    included."""
+    fidelity(pools, 2, name, "eval", stages=1, micro_batches=1, sharding="parameters", eval_batch=4)
+
+
 def test_tied_weights_with_sharding(pools):
     r = fidelity(pools, 4, "tied_embedding", stages=2, micro_batches=2, sharding="optimizer")
     assert r["plan"][:2] == (2, 2)
