@@ -124,8 +124,9 @@ class Cluster:
             w = self.allreduce_ranks
             return (self.allreduce.latency_s * (n - 1) / (w - 1)
                     + nbytes / self.allreduce.bandwidth_bps * ((n - 1) / n) / ((w - 1) / w))
-        nodes = {self.node_of(r) for r in ranks}
-        link = self.device.inter_node if len(nodes) > 1 else self.device.intra_node
+        # a node's ranks are consecutive: the group spans nodes if its first and last rank are on different ones
+        spans = self.node_of(min(ranks)) != self.node_of(max(ranks))
+        link = self.device.inter_node if spans else self.device.intra_node
         return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth_bps
 
     def allgather_s(self, nbytes: float, ranks: tuple[int, ...] | list[int]) -> float:

@@ -40,6 +40,7 @@ with one stage instead of torch's DDP, and is costed as such (`Layout.pipelined`
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -239,11 +240,14 @@ class CostModel:
 
     def _compute_units(self, start: int, stop: int) -> tuple[int, int]:
         sizes = self.graph.param_bytes
-        whole = sum(sizes[name] for name, blocks in self._shared.items()
-                    if any(start <= b < stop for b in blocks))
-        largest = max((sum(sizes[q] for q in set(self.graph.blocks[b].params) if q not in self._shared)
-                       for b in range(start, stop)), default=0)
-        return whole, largest
+        whole = sum(sizes[name] for name, blocks in self._shared.items() if _any_within(blocks, start, stop))
+        return whole, max(self._own_bytes[start:stop], default=0)
+
+    @cached_property
+    def _own_bytes(self) -> list[int]:
+        """Per block, the bytes of the parameters it alone reads (its FSDP unit)."""
+        sizes = self.graph.param_bytes
+        return [sum(sizes[q] for q in set(b.params) if q not in self._shared) for b in self.graph.blocks]
 
     def _compute_memory(self, stage: int, start: int, stop: int, recompute: bool, outputs: bool = True,
                 sharding: str = "none", floor: bool = False) -> Memory:
@@ -455,6 +459,12 @@ def _shardings(layout: Layout, optimizer_factor: float) -> tuple[str, ...]:
         return ("none",)
     fsdp = layout.pipelined and layout.schedule not in SPLIT_BACKWARD_SCHEDULES
     return ("none",) + (("optimizer",) if optimizer_factor > 0 else ()) + (FSDP_LEVELS if fsdp else ())
+
+
+def _any_within(ascending: list[int], start: int, stop: int) -> bool:
+    """Whether some element of `ascending` lies in [start, stop)."""
+    i = bisect.bisect_left(ascending, start)
+    return i < len(ascending) and ascending[i] < stop
 
 
 def _shared_params(graph: ModelGraph) -> dict[str, list[int]]:
