@@ -103,6 +103,7 @@ class ShardedUnits:
     stage_of_unit: list[int] = field(default_factory=list)
     levels: dict[int, str] = field(default_factory=dict)  # stage -> its level, for stages with units
     roots: dict[int, StageRoot] = field(default_factory=dict)  # stage -> the root over its units
+    names: set[str] = field(default_factory=set)  # every parameter FSDP shards, on any rank (fsdp_parameters)
 
     def of_stage(self, stage: int) -> list[Unit]:
         return [u for u, s in zip(self.units, self.stage_of_unit) if s == stage]
@@ -125,8 +126,8 @@ def shard_stages(module: nn.Module, optimizer: torch.optim.Optimizer | None, pla
     """Shard the parameters of this rank's stages whose plan says "gradients" or "parameters" over their
     replicas; the user's module and optimizer take the sharded parameters. Collective over each such stage's
     replicas."""
-    out = ShardedUnits()
     sharded = fsdp_parameters(plan, graph)
+    out = ShardedUnits(names=sharded)
     named = dict(module.named_parameters(remove_duplicate=False))
     replaced: dict[int, nn.Parameter] = {}
     for stage in plan.stages:

@@ -64,7 +64,6 @@ class RecordingStage(PipelineStage):
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
         self.executed.append(Action(self.stage_index, BACKWARD_WEIGHT, bwd_chunk_id))
-        self._reshard_after(last_backward)
         return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
 

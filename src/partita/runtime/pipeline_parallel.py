@@ -46,13 +46,13 @@ class PipelineParallel(Runtime):
     def __init__(self, module: nn.Module, cap: CapturedGraph, plan: Plan, ownership: Ownership, *,
                  loss: Loss | None, optimizer: torch.optim.Optimizer | None, rank: int, world_size: int,
                  device: torch.device, signature_key: tuple, stage_groups: dict[int, dist.ProcessGroup | None],
-                 sharded: ShardedUnits, sharded_names: set[str]):
+                 sharded: ShardedUnits):
         super().__init__(module, plan, ownership, rank, device)
         self.loss = loss
         self.optimizer = optimizer
         self.sharded = sharded
         self.place = place_of(plan, rank, world_size, device, stage_groups)
-        self.grads = GradSync(gradient_groups(plan, ownership.stage_params, rank, self.parameters, sharded_names))
+        self.grads = GradSync(gradient_groups(plan, ownership.stage_params, rank, self.parameters, sharded.names))
         # the autograd node every returned loss or output hangs from, so that backward reaches partita
         self.anchor = torch.zeros((), requires_grad=True)
         # captured in train mode for planning: the engine of training calls with the first call's structure
