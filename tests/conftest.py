@@ -12,7 +12,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="session")
+# per test module: a pool's ranks keep every process group its cases made, each with transport threads that
+# poll; kept for the whole session they loaded the machine under the launcher tests that run after them
+@pytest.fixture(scope="module")
 def pools():
     from support.pool import Pools
 
