@@ -4,8 +4,10 @@ stage's replicas, one FSDP unit per block of the stage.
 Why units are modules of partita's own: a stage is an fx graph whose operations read parameters as attributes,
 while FSDP gathers a module's parameters around that module's forward. So each block's parameters move into a
 `Unit`, built once per runtime and shared by every capture of the model (training calls, eval calls, ...);
-the stage's graph is cut into one piece per unit (torch.fx's split_module), and each piece runs as its unit's
-forward, with the unit's parameters (whole, while FSDP has them gathered) as its first arguments.
+the stage's graph is cut into pieces that each read at most one unit's parameters (torch.fx's split_module),
+and each such piece runs as its unit's forward, which passes it the unit's parameters (whole, while FSDP has
+them gathered) where the piece took them as arguments. A parameter-less FSDP root per stage runs around the
+stage's forward, so that its units share one communication context.
 
 - "gradients": a unit's parameters are gathered at the stage's first forward of a step and stay whole until
   its last backward (`reshard_after_forward=False`; resharded after the last micro-batch's backward only).
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.fx.passes.split_module import split_module
 
 from partita.errors import InternalError
@@ -215,5 +217,4 @@ def reshard_after_call(units: list[Unit]) -> None:
     """Units kept gathered across a step ("gradients") free their whole parameters after a call with no
     backward (an eval call), so that the next step gathers the values the optimizer stepped."""
     for unit in units:
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
+        unit.reshard()
