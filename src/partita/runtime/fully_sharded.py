@@ -185,12 +185,13 @@ def through_units(stage_module: fx.GraphModule, parameters: dict[str, str], shar
         current = read.pop() if read else current
         part[node.name] = current
     pieces = {p: k for k, p in enumerate(sorted(set(part.values())))}
+    unit_of_piece = {f"submod_{k}": p for p, k in pieces.items()}  # split_module's names for the pieces
     # split_module passes attributes to the pieces as arguments: those of a unit come from the unit instead
     top = split_module(stage_module, stage_module, lambda n: pieces[part[n.name]], keep_original_order=True)
     for node in top.graph.nodes:
         if node.op != "call_module":
             continue
-        unit_index = next(p for p, k in pieces.items() if node.target == f"submod_{k}")
+        unit_index = unit_of_piece[node.target]
         if unit_index < 0:
             continue
         unit = sharded.units[unit_index]

@@ -58,5 +58,10 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer | None, replaced: dict[in
     for p in [p for p in optimizer.state if id(p) in replaced]:
         state, new = optimizer.state.pop(p), replaced[id(p)]
         if not new.is_meta:
-            optimizer.state[new] = {k: convert(v, new) if isinstance(v, torch.Tensor) and v.dim() else v
-                                    for k, v in state.items()}
+            optimizer.state[new] = converted_state(state, new, convert)
+
+
+def converted_state(state: dict, param: torch.Tensor, convert) -> dict:
+    """A parameter's optimizer state with each tensor of its own (not a scalar such as Adam's step) as
+    `convert(value, param)` makes it."""
+    return {k: convert(v, param) if isinstance(v, torch.Tensor) and v.dim() else v for k, v in state.items()}

@@ -17,7 +17,7 @@ from torch import nn
 
 from partita.plan.plan import Plan
 from partita.runtime.batch import Call
-from partita.runtime.optim import patch_optimizer
+from partita.runtime.optim import converted_state, patch_optimizer
 from partita.runtime.ownership import Ownership
 from partita.runtime.precision import LossScale
 from partita.runtime.sharding import OptimizerSharding, state_keepers
@@ -110,8 +110,7 @@ class Runtime:
             if id(p) not in local:
                 del optimizer.state[p]
             else:  # state loaded whole, of a parameter FSDP shards: this replica's shard of it
-                optimizer.state[p] = {k: shard_like(v, p) if isinstance(v, torch.Tensor) and v.dim() else v
-                                      for k, v in optimizer.state[p].items()}
+                optimizer.state[p] = converted_state(optimizer.state[p], p, shard_like)
 
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, stage_groups: dict) -> None:
         """Where the plan shards optimizer state (ZeRO-1), each replica of a stage keeps its share of it."""
