@@ -16,8 +16,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from interleaved import timed_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,20 +66,8 @@ def worker(out: str, steps: int, blocks: int) -> None:
         loss.backward()
         ddp_opt.step()
 
-    arms = (("partita", ours_step), ("ddp", ddp_step), ("ddp_global_loss", ddp_global_loss_step),
-            ("automatic", auto_step))
-    for _, step in arms:  # warm-up (the first partita call captures and plans)
-        for _ in range(3):
-            step()
-    seconds = {name: 0.0 for name, _ in arms}
-    for _ in range(blocks):
-        for name, step in arms:
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            torch.distributed.barrier()
-            seconds[name] += time.perf_counter() - start
+    seconds = timed_blocks({"partita": ours_step, "ddp": ddp_step, "ddp_global_loss": ddp_global_loss_step,
+                            "automatic": auto_step}, blocks, steps)
     if w.rank == 0:
         samples = blocks * steps * local_batch * w.world_size
         Path(out).write_text(json.dumps({k: samples / v for k, v in seconds.items()} |

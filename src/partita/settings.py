@@ -106,12 +106,24 @@ def timeout_s() -> float:
 
 def log_enabled() -> bool:
     """PARTITA_LOG: 'on' (the default) or 'off' for partita's INFO lines on rank 0."""
-    text = _raw("PARTITA_LOG")
+    return _switch("PARTITA_LOG")
+
+
+def overlap_enabled() -> bool:
+    """PARTITA_OVERLAP: 'on' (the default): a pipeline stage's replicas start summing its gradients during its
+    last backward, bucket by bucket; 'off': after the pipeline, to measure what the overlap gains (the plan's
+    estimates assume it on)."""
+    return _switch("PARTITA_OVERLAP")
+
+
+def _switch(name: str) -> bool:
+    """'on' (the default) or 'off'."""
+    text = _raw(name)
     if text is None:
         return True
     switch = text.strip().lower()
     if switch not in ("on", "off"):
-        raise _invalid("PARTITA_LOG", text)
+        raise _invalid(name, text)
     return switch == "on"
 
 
@@ -151,6 +163,7 @@ _ALLOWED: dict[str, tuple[str, str]] = {
     "PARTITA_PROFILE": ("'measure' (the default) or 'estimate'", "estimate"),
     "PARTITA_TIMEOUT_S": ("a number of seconds above 0 and at most 1e9", "600"),
     "PARTITA_LOG": ("'on' (the default) or 'off'", "off"),
+    "PARTITA_OVERLAP": ("'on' (the default) or 'off'", "off"),
     "PARTITA_CACHE_DIR": ("a directory, or a path where one can be created", "/tmp/partita-cache"),
     "PARTITA_STOP_FILE": ("the path of a file (not a directory)", "/tmp/job.stop"),
     "PARTITA_RESUME_FILE": ("the path of a file (not a directory)", "/tmp/job.resume"),
@@ -158,7 +171,7 @@ _ALLOWED: dict[str, tuple[str, str]] = {
 READERS: dict[str, Callable[[], object]] = {
     "PARTITA_MEMORY_LIMIT": memory_limit, "PARTITA_PROFILE": profile_mode, "PARTITA_TIMEOUT_S": timeout_s,
     "PARTITA_LOG": log_enabled, "PARTITA_CACHE_DIR": cache_dir, "PARTITA_STOP_FILE": stop_file,
-    "PARTITA_RESUME_FILE": resume_file,
+    "PARTITA_RESUME_FILE": resume_file, "PARTITA_OVERLAP": overlap_enabled,
 }
 
 

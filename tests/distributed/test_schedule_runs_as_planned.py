@@ -21,3 +21,22 @@ def test_executed_actions_are_the_simulated_orders(pools, schedule, style):
         assert r["executed"] == simulated[r["position"]], f"rank {rank} ran another order than the simulated one"
         ops = {a.rstrip("0123456789")[-1] for a in r["executed"]}
         assert "F" in ops and ops & {"B", "I"}, f"rank {rank} ran no backward: {r['executed']}"
+
+
+@pytest.mark.parametrize("schedule,style", [("1F1B", "loss_fn"), ("Interleaved1F1B", "loss_fn"),
+                                            ("ZBVZeroBubble", "loss_fn"), ("GPipe", "outputs")])
+def test_gradient_sums_start_during_each_stages_last_backward(pools, schedule, style):
+    """As the cost model assumes (`CostModel.exposed_allreduce_s`): with 2 stages x 2 replicas and buckets of
+    one parameter's size, every bucket's all-reduce starts while the last backward of its stage runs (its
+    gradients are final), and the sums equal one process's gradients."""
+    results = pools.run(4, "support.cases:gradient_sums", schedule, style, 1)
+    for rank, r in enumerate(results):
+        assert not r["far"], f"rank {rank}: gradients differ from one process's: {r['far']}"
+        assert len(r["started_during"]) > 2, r
+        assert set(r["started_during"]) <= set(r["held"]), f"rank {rank} started sums after the pipeline: {r}"
+
+
+def test_without_overlap_gradient_sums_start_after_the_pipeline(pools):
+    results = pools.run(4, "support.cases:gradient_sums", "1F1B", "loss_fn", 1, "off")
+    for r in results:
+        assert not r["far"] and r["started_during"] and set(r["started_during"]) == {None}, r

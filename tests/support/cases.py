@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 
 import partita
 from partita.runtime import agreement
+from partita.schedule.catalog import stages_per_rank
 from support.zoo import CASES, Case
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -635,3 +636,30 @@ def executed_actions(schedule: str, stages: int, micro_batches: int, style: str)
             "schedule": plan.schedule,
             "simulated": [[str(a) for a in order] for order in pm.simulated_step().orders]
             if partita.get_rank() == 0 else None}
+
+
+def gradient_sums(schedule: str, style: str, bucket_bytes: int, overlap: str = "on") -> dict:
+    """One training step of the MLP on 2 stages x 2 replicas under `schedule`, in call style `style`, with
+    gradient buckets of `bucket_bytes` and PARTITA_OVERLAP=`overlap`: when each bucket's sum started (the stage
+    whose last backward ran, or None for after the pipeline), and the parameters whose summed gradients differ
+    from one process's on the global batch."""
+    torch.manual_seed(0)
+    case = CASES["mlp"]
+    model, reference = case.make(), case.make()
+    reference.load_state_dict(model.state_dict())
+    loss_fn = case.loss_fn if style == "loss_fn" else None
+    rank, world, rows = partita.get_rank(), partita.get_world_size(), 8
+    args, _, target = case.batch(world * rows, torch.Generator().manual_seed(1))
+    mine = slice(rank * rows, (rank + 1) * rows)
+    with mock.patch("partita.runtime.grads.BUCKET_BYTES", bucket_bytes), \
+            mock.patch.dict(os.environ, {"PARTITA_OVERLAP": overlap}):
+        pm = partita.parallelize(model, loss_fn=loss_fn, stages=2 * stages_per_rank(schedule), micro_batches=4,
+                                 schedule=schedule)
+        if style == "loss_fn":
+            pm(args[0][mine], target[mine]).backward()
+        else:
+            case.user_loss(pm(args[0][mine]), target[mine]).backward()
+    case.loss_fn(reference(*args), target).backward()
+    far = [n for n, p in reference.named_parameters()
+           if not torch.allclose(pm.get_param_grad(n), p.grad, rtol=1e-5, atol=1e-7)]
+    return {"started_during": pm.runtime.grads.started_during, "held": sorted(pm.plan.stages_of(rank)), "far": far}

@@ -85,7 +85,7 @@ class Elastic:
                 if reason or finished or (self.save_every and self.step % self.save_every == 0):
                     saved = self.save()
                 if reason:
-                    self._exit(reason, saved)
+                    self._stop_for_resume(reason, saved)
         except CheckpointError:  # a save that failed, on every rank at once
             self._leave()
             raise
@@ -173,7 +173,7 @@ class Elastic:
             return None
         return reason or "another rank was asked to stop"
 
-    def _exit(self, reason: str, saved: str) -> None:
+    def _stop_for_resume(self, reason: str, saved: str) -> None:
         if self.rank == 0:
             env.log_to_stderr()
             log.info("stopping at step %d (%s) after saving %s; exit status %d: run the job again to resume",

@@ -52,6 +52,7 @@ from partita.schedule.inflight import micro_batches_in_flight
 from partita.schedule.catalog import SPLIT_BACKWARD_SCHEDULES, stages_per_rank
 
 GRAD_BUCKET_BYTES = 32 * 2**20  # partita.runtime.grads.BUCKET_BYTES
+DDP_BUCKET_BYTES = 25 * 10**6  # torch's DistributedDataParallel's bucket_cap_mb
 
 
 @dataclass(frozen=True)
@@ -353,15 +354,24 @@ class CostModel:
         return self.layout.micro_batches * cost.work_s + self.tail_s(cost)
 
     def tail_s(self, cost: StageCost) -> float:
-        """What a stage adds to its rank's work after the pipeline drains: the all-reduce of its gradients (with
-        DDP only the part that outlasts the backward), putting them into .grad, and the optimizer step; and
-        the once-per-step all-gather of its parameters where its sharding has one (`gather_s`)."""
-        if not self.pipelined:
-            # DDP reduces buckets while the backward runs: only what outlasts the backward shows, and that
-            # costs more where the two compete for the same cores (the measured interference)
-            exposed = max(cost.allreduce_s - cost.bwd_s, cost.allreduce_s * min(1.0, 25e6 / max(cost.param_bytes, 1)))
-            return exposed * (1.0 + self.cluster.allreduce_interference) + cost.optimizer_s + cost.gather_s
-        return cost.allreduce_s + cost.apply_gradients_s + cost.optimizer_s + cost.gather_s
+        """What a stage adds to its rank's work after the pipeline drains: the part of the all-reduce of its
+        gradients that outlasts its last backward (`exposed_allreduce_s`), putting them into .grad, and the
+        optimizer step; and the once-per-step all-gather of its parameters where its sharding has one
+        (`gather_s`)."""
+        exposed = self.exposed_allreduce_s(cost.allreduce_s, cost.bwd_s, cost.param_bytes)
+        if not self.pipelined:  # DDP sums into .grad while its backward runs
+            return exposed + cost.optimizer_s + cost.gather_s
+        return exposed + cost.apply_gradients_s + cost.optimizer_s + cost.gather_s
+
+    def exposed_allreduce_s(self, allreduce_s: float, last_backward_s: float, param_bytes: float) -> float:
+        """The part of a stage's gradient all-reduce that outlasts its last backward. DDP's buckets and
+        partita's (runtime.grads) start as the backward finishes their gradients, so only what outlasts that
+        backward shows, and at least the last bucket's sum; it costs more where the sums and the backward
+        compete for the same cores (the measured interference). `last_backward_s`: one micro-batch's
+        backward under a pipeline, the whole batch's under DDP."""
+        bucket_bytes = GRAD_BUCKET_BYTES if self.pipelined else DDP_BUCKET_BYTES
+        exposed = max(allreduce_s - last_backward_s, allreduce_s * min(1.0, bucket_bytes / max(param_bytes, 1)))
+        return exposed * (1.0 + self.cluster.allreduce_interference)
 
     def gradient_traffic_s(self, param_bytes: float) -> float:
         """Writing a backward's parameter gradients: a pipeline adds each micro-batch's into .grad (read both,
@@ -393,24 +403,33 @@ class CostModel:
 
     def least_tail_s(self, param_bytes: int) -> float:
         """The least `tail_s` of any stage whose parameters take `param_bytes`, under any sharding allowed (for
-        bounds: sharing no parameter with another stage is cheapest)."""
-        parts = [self.per_step(s, param_bytes, 0, sh) for s in self.replica_group_stages for sh in self.shardings]
-        if not self.pipelined:
-            return min(optimizer + gather for _, _, optimizer, gather in parts)  # DDP: the all-reduce may hide
-        return min(map(sum, parts))
+        bounds: sharing no parameter with another stage is cheapest). Of the all-reduce it counts the volume
+        term of at most one bucket, which no backward hides (`exposed_allreduce_s`): a bound that grows with
+        the bytes and is no more for a sum than for its parts, as the bounds need."""
+        bucket = GRAD_BUCKET_BYTES if self.pipelined else DDP_BUCKET_BYTES
+        tails = []
+        for s in self.replica_group_stages:
+            ranks = self.ranks[s]
+            per_byte = (self.cluster.allreduce_s(2 * bucket, ranks) - self.cluster.allreduce_s(bucket, ranks)) / bucket
+            for sharding in self.shardings:
+                _, apply, optimizer, gather = self.per_step(s, param_bytes, 0, sharding)
+                summed = 0.0 if sharding in FSDP_LEVELS else per_byte * min(param_bytes, bucket)
+                tails.append(summed * (1.0 + self.cluster.allreduce_interference)
+                             + (apply if self.pipelined else 0.0) + optimizer + gather)
+        return min(tails)
 
     @cached_property
     def least_per_step_s_per_byte(self) -> float:
         """The least seconds per byte of its parameters that a stage's sharding costs it per step, over the
-        levels and replica groups: its micro-batches' collectives and its tail (with DDP the part of it that
-        cannot hide). Each of those is a latency plus bytes times a rate, so every stage's cost is at least
+        levels and replica groups: its micro-batches' collectives and its tail, less the all-reduce (the
+        backward may hide all of it but a bucket: `exposed_allreduce_s`). Each of those is a latency plus bytes times a rate, so every stage's cost is at least
         this times its bytes (for bounds; a parameter kept whole costs at least "none"'s rate)."""
         big = float(2**40)
 
         def cost_s(stage: int, sharding: str, nbytes: float) -> float:
-            allreduce, apply, optimizer, gather = self.per_step(stage, int(nbytes), 0, sharding)
+            _, apply, optimizer, gather = self.per_step(stage, int(nbytes), 0, sharding)
             collectives = self.layout.micro_batches * sum(self.collectives_s(stage, nbytes, sharding))
-            return collectives + (allreduce + apply if self.pipelined else 0.0) + optimizer + gather
+            return collectives + (apply if self.pipelined else 0.0) + optimizer + gather
 
         # FSDP's levels keep a tied parameter whole: at "none"'s rate, which may be the lesser
         levels = set(self.shardings) | ({"none"} if set(self.shardings) & set(FSDP_LEVELS) else set())

@@ -6,19 +6,30 @@ every copy takes the same optimizer step and the copies stay identical. torch's 
 group per module; here a rank may need several groups (its stage's replicas, plus the union of stages for
 each tied parameter), so partita reduces gradients itself, in buckets, one all-reduce per bucket.
 
+The sums overlap the backward, as DDP's do: during the last backward of a step of each stage (the schedule
+says which one is last), a parameter's gradient is final once autograd has accumulated it; a bucket whose
+parameters are all final starts its all-reduce at once, while the backward goes on. Buckets hold parameters
+in reverse module order, the order the backward finishes them, and start in a fixed order on every rank of
+their group (gloo and NCCL match collectives by order); a bucket ready early waits for those before it. What
+is not final when the pipeline ends (a parameter that got no gradient) starts then. The sums are waited for
+when the user's backward reaches the loss.
+
 Only the gradient produced since `stash()` is reduced: gradients accumulated by earlier calls were reduced
 when they were produced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from partita import settings
 from partita.runtime.route import buckets
 
 BUCKET_BYTES = 32 * 2**20
@@ -35,32 +46,160 @@ class ParamGroup:
     params: list[nn.Parameter]
 
 
+@dataclass(frozen=True)
+class _Bucket:
+    """Parameters reduced by one all-reduce."""
+
+    group: dist.ProcessGroup
+    params: list[nn.Parameter]
+
+    def start(self) -> _Sum:
+        """Start the all-reduce of the parameters' current gradients, flattened, then one presence flag per
+        parameter (whether any rank produced its gradient). Each .grad becomes its view into the flat buffer,
+        so that the gradient is held once while the sum runs, as DDP's bucket views do."""
+        grads = [p.grad for p in self.params]
+        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
+                          for p, g in zip(self.params, grads)] +
+                         [torch.tensor([float(g is not None) for g in grads], dtype=self.params[0].dtype,
+                                       device=self.params[0].device)])
+        offset = 0
+        for p, g in zip(self.params, grads):
+            if g is not None:
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        return _Sum(self.params, flat, dist.all_reduce(flat, group=self.group, async_op=True))
+
+
+@dataclass(frozen=True)
+class _Sum:
+    """A bucket's all-reduce under way."""
+
+    params: list[nn.Parameter]
+    flat: torch.Tensor
+    work: dist.Work
+
+    def finish(self, fresh: dict[int, torch.Tensor | None]) -> None:
+        """Wait for the sum; put each parameter's summed gradient (None if no rank had one) in `fresh`."""
+        self.work.wait()
+        offset = 0
+        for p in self.params:
+            fresh[id(p)] = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        for p, present in zip(self.params, self.flat[offset:].tolist()):
+            if present == 0:
+                fresh[id(p)] = None  # no rank produced a gradient: stay None, as in one process
+
+
+@dataclass
+class _Step:
+    """One step's reduction: which gradients are final, and the next bucket to start."""
+
+    final_backwards_left: dict[int, int]  # id(param) -> last backwards of its stages still to run
+    next_bucket: int = 0
+    final_stage: int | None = None  # the stage whose last backward runs now
+    counted: set[int] = field(default_factory=set)  # the parameters that backward has finished
+    started: list[_Sum] = field(default_factory=list)
+
+
+@dataclass
+class Gradients:
+    """The gradients a pipeline produced on this rank, their sums under way."""
+
+    fresh: dict[int, torch.Tensor | None]
+    started: list[_Sum]
+
+
 class GradSync:
-    def __init__(self, groups: list[ParamGroup]):
+    def __init__(self, groups: list[ParamGroup], params_of_stage: dict[int, set[int]] | None = None):
+        """`params_of_stage`: for each of this rank's stages, the ids of the parameters it reads (a gradient
+        is final after the last backward of each of them)."""
         self.groups = groups
         self.params = [p for g in groups for p in g.params]
+        self.buckets = [_Bucket(g.group, bucket) for g in groups if g.group is not None
+                        for bucket in buckets(g.params[::-1], BUCKET_BYTES)]
+        self.params_of_stage = params_of_stage or {}
         self.warned = False  # about gradient accumulation, once
+        # the last step's buckets, in order: the stage whose last backward ran when each sum started (None:
+        # after the pipeline), so that tests hold the runtime to the overlap the cost model assumes
+        self.started_during: list[int | None] = []
+        self._step: _Step | None = None
+        self._overlap = settings.overlap_enabled()
+        summed = {id(p) for b in self.buckets for p in b.params}
+        for p in self.params:
+            if self._overlap and id(p) in summed:
+                p.register_post_accumulate_grad_hook(self._accumulated)
 
     def stash(self) -> list[torch.Tensor | None]:
-        """Set every gradient aside, so that the next backward produces only its own contribution."""
+        """Set every gradient aside, so that the next backward produces only its own contribution; from now
+        on, buckets whose gradients are final start their sums."""
         saved = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
+        left = {id(p): 0 for b in self.buckets for p in b.params}
+        for ids in self.params_of_stage.values():
+            for i in ids & left.keys():
+                left[i] += 1
+        self._step = _Step(left)
+        self.started_during = []
         return saved
 
-    def take(self, saved: list[torch.Tensor | None]) -> dict[int, torch.Tensor | None]:
-        """The gradients produced since `stash`, keyed by id(param); the stashed ones go back in place."""
+    @contextlib.contextmanager
+    def final_backward(self, stage: int) -> Iterator[None]:
+        """Around the last backward of `stage` in a step (or the weight half of it): the gradients it
+        accumulates are final, and once it ends so are those of every parameter it reads (torch's weight
+        half sets .grad itself, without autograd's hooks; a parameter may get no gradient)."""
+        step = self._step
+        if step is None or not self._overlap:
+            yield
+            return
+        step.final_stage, step.counted = stage, set()
+        try:
+            yield
+            for i in self.params_of_stage.get(stage, set()) - step.counted:
+                self._finished(step, i)
+            self._start_ready(step)
+        finally:
+            step.final_stage = None
+
+    def _accumulated(self, p: nn.Parameter) -> None:
+        step = self._step
+        if step is not None and step.final_stage is not None and \
+                id(p) in self.params_of_stage.get(step.final_stage, ()) and id(p) not in step.counted:
+            self._finished(step, id(p))
+            self._start_ready(step)
+
+    @staticmethod
+    def _finished(step: _Step, param_id: int) -> None:
+        step.counted.add(param_id)
+        if param_id in step.final_backwards_left:
+            step.final_backwards_left[param_id] -= 1
+
+    def _start_ready(self, step: _Step) -> None:
+        while step.next_bucket < len(self.buckets) and \
+                all(step.final_backwards_left[id(p)] <= 0 for p in self.buckets[step.next_bucket].params):
+            self._start(step)
+
+    def _start(self, step: _Step) -> None:
+        step.started.append(self.buckets[step.next_bucket].start())
+        self.started_during.append(step.final_stage)
+        step.next_bucket += 1
+
+    def take(self, saved: list[torch.Tensor | None]) -> Gradients:
+        """The gradients produced since `stash`, their sums started (the rest start now); the stashed ones go
+        back in place."""
+        step, self._step = self._step, None
+        while step.next_bucket < len(self.buckets):
+            self._start(step)
         fresh = {id(p): p.grad for p in self.params}
         for p, old in zip(self.params, saved):
             p.grad = old
-        return fresh
+        return Gradients(fresh, step.started)
 
-    def apply(self, fresh: dict[int, torch.Tensor | None], scale: float | torch.Tensor = 1.0) -> None:
-        """Sum `fresh` over each parameter's ranks, multiply by `scale`, add into .grad."""
-        fresh = dict(fresh)
-        for group in self.groups:
-            for bucket in buckets(group.params, BUCKET_BYTES):
-                self._reduce_bucket(group, bucket, fresh)
+    def apply(self, gradients: Gradients, scale: float | torch.Tensor = 1.0) -> None:
+        """Wait for the sums of `gradients`, multiply by `scale`, add into .grad."""
+        fresh = dict(gradients.fresh)
+        for started in gradients.started:
+            started.finish(fresh)
         accumulated = 0
         for p in self.params:
             g = fresh.pop(id(p))
@@ -78,21 +217,3 @@ class GradSync:
             log.warning("partita: gradients accumulate over calls (.grad was set when the pipeline produced "
                         "new ones): this rank held a second copy of %.1f MiB of gradients, which the plan's "
                         "memory does not count", accumulated / 2**20)
-
-    @staticmethod
-    def _reduce_bucket(group: ParamGroup, bucket: list[nn.Parameter], fresh: dict) -> None:
-        if group.group is None:
-            return
-        grads = [fresh[id(p)] for p in bucket]
-        flat = torch.cat([
-            (g if g is not None else torch.zeros_like(p)).reshape(-1) for p, g in zip(bucket, grads)
-        ] + [torch.tensor([float(g is not None) for g in grads], dtype=bucket[0].dtype, device=bucket[0].device)])
-        dist.all_reduce(flat, group=group.group)
-        offset = 0
-        for p in bucket:
-            n = p.numel()
-            fresh[id(p)] = flat[offset:offset + n].view_as(p)
-            offset += n
-        for p, present in zip(bucket, flat[offset:].tolist()):
-            if present == 0:
-                fresh[id(p)] = None  # no rank produced a gradient: stay None, as in one process

@@ -53,6 +53,8 @@ def gradient_groups(plan: Plan, stage_params: dict[int, set[str]], rank: int,
     for ranks in sorted(by_ranks):
         group = _new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks:
-            params = [parameter[f] for f in sorted(by_ranks[ranks]) if parameter[f].requires_grad]
+            # in module order: GradSync's buckets take them backwards, as the backward finishes them
+            chosen = set(by_ranks[ranks])
+            params = [p for f, p in parameter.items() if f in chosen and p.requires_grad]
             groups.append(ParamGroup(ranks, group, params))
     return groups

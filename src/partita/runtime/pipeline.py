@@ -18,6 +18,8 @@ Every stage records the actions it runs (`executed`), so tests hold the runtime 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
@@ -30,6 +32,7 @@ from partita.capture.shapes import meta_like
 from partita.capture.split import StageGraph
 from partita.plan.plan import Plan
 from partita.runtime.fully_sharded import ShardedUnits
+from partita.runtime.grads import GradSync
 from partita.runtime.precision import LowPrecision
 from partita.schedule import Action, orders
 from partita.schedule.action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
@@ -40,12 +43,14 @@ class RecordingStage(PipelineStage):
 
     `gathered_for_step`: FSDP units whose parameters stay gathered from the stage's first forward to its last
     backward of a step (sharding "gradients"): partita's modules call them, so torch's stage, which handles
-    only a stage module that is itself FSDP's, leaves them to this stage."""
+    only a stage module that is itself FSDP's, leaves them to this stage. `grads` learns which backward is the
+    stage's last of the step, whose gradients are final (torch's schedules say so: `last_backward`)."""
 
-    def __init__(self, *args, executed: list[Action], gathered_for_step: list, **kwargs):
+    def __init__(self, *args, executed: list[Action], gathered_for_step: list, grads: GradSync, **kwargs):
         super().__init__(*args, **kwargs)
         self.executed = executed
         self.gathered_for_step = gathered_for_step
+        self.grads = grads
 
     def _reshard_after(self, last_backward: bool) -> None:
         for unit in self.gathered_for_step:
@@ -59,12 +64,17 @@ class RecordingStage(PipelineStage):
         op = FULL_BACKWARD if full_backward else BACKWARD_INPUT
         self.executed.append(Action(self.stage_index, op, bwd_chunk_id))
         self._reshard_after(last_backward)
-        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                          last_backward=last_backward)
+        with self._final(last_backward and full_backward):
+            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                              last_backward=last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
         self.executed.append(Action(self.stage_index, BACKWARD_WEIGHT, bwd_chunk_id))
-        return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        with self._final(last_backward):
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+    def _final(self, last_backward: bool) -> contextlib.AbstractContextManager:
+        return self.grads.final_backward(self.stage_index) if last_backward else contextlib.nullcontext()
 
 
 class Recomputed(torch.nn.Module):
@@ -96,7 +106,7 @@ class Pipeline:
 
     def __init__(self, cap: CapturedGraph, graphs: list[StageGraph], plan: Plan, *, rank: int, replica: int,
                  group: dist.ProcessGroup, device: torch.device, micro_batch_rows: int, has_backward: bool,
-                 sharded: ShardedUnits, loss_fn=None):
+                 sharded: ShardedUnits, grads: GradSync, loss_fn=None):
         self.plan = plan
         self.micro_batches = plan.micro_batches
         replica_ranks = plan.replica_ranks(replica)
@@ -115,7 +125,7 @@ class Pipeline:
                                    input_args=_static_shapes(cap, g.inputs, micro_batch_rows),
                                    output_args=outputs, group=group, executed=self.executed,
                                    gathered_for_step=sharded.of_stage(index)
-                                   if sharded.levels.get(index) == "gradients" else [])
+                                   if sharded.levels.get(index) == "gradients" else [], grads=grads)
             stage.stage_index_to_group_rank = dict(position)
             self.stages.append(stage)
         self.by_index = {s.stage_index: s for s in self.stages}

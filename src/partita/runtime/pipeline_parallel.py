@@ -52,7 +52,8 @@ class PipelineParallel(Runtime):
         self.optimizer = optimizer
         self.sharded = sharded
         self.place = place_of(plan, rank, world_size, device, stage_groups)
-        self.grads = GradSync(gradient_groups(plan, ownership.stage_params, rank, self.parameters, sharded.names))
+        self.grads = GradSync(gradient_groups(plan, ownership.stage_params, rank, self.parameters, sharded.names),
+                              self._params_of_stages(plan.stages_of(rank)))
         # the autograd node every returned loss or output hangs from, so that backward reaches partita
         self.anchor = torch.zeros((), requires_grad=True)
         # captured in train mode for planning: the engine of training calls with the first call's structure
@@ -70,6 +71,10 @@ class PipelineParallel(Runtime):
     def executed(self) -> list[Action]:
         """The compute actions the last call ran on this rank, in order."""
         return self._last.executed()
+
+    def _params_of_stages(self, stages: tuple[int, ...]) -> dict[int, set[int]]:
+        """For each of `stages`, the ids of the parameters it reads (under any of their names, when tied)."""
+        return {s: {id(self.parameters[f]) for f in self.ownership.stage_params.get(s, ())} for s in stages}
 
     def _requires_grad(self) -> tuple:
         return tuple(p.requires_grad for p in self.parameters.values())

@@ -33,7 +33,7 @@ from partita.errors import BatchError, PartitaError, PlanError
 from partita.plan.plan import Plan, check_batch
 from partita.runtime.batch import Loss
 from partita.runtime.fully_sharded import ShardedUnits, reshard_after_call, through_units
-from partita.runtime.grads import GradSync
+from partita.runtime.grads import GradSync, Gradients
 from partita.runtime.pipeline import Pipeline
 from partita.runtime.precision import LossScale
 from partita.runtime.route import Replica, TensorSpec
@@ -113,7 +113,7 @@ class Engine:
             self._pipelines[key] = Pipeline(self.cap, self.graphs, self.plan, rank=p.rank, replica=p.replica_index,
                                             group=p.pipeline_group, device=p.device,
                                             micro_batch_rows=micro_batch_rows, has_backward=has_backward,
-                                            loss_fn=loss_fn, sharded=self.sharded)
+                                            loss_fn=loss_fn, sharded=self.sharded, grads=self.grads)
             while len(self._pipelines) > _MAX_PIPELINES:
                 self._pipelines.popitem(last=False)
         self._pipelines.move_to_end(key)
@@ -184,14 +184,14 @@ class Engine:
         target_rows = p.replica.gather_rows([target], p.last_rank)
         saved = self.grads.stash()
         losses = pipe.step(tuple(inputs or ()), target_rows[0] if target_rows else None)
-        fresh = self.grads.take(saved)
+        gradients = self.grads.take(saved)
         mean = loss.reduction == "mean"
         denominator = plan.num_replicas * plan.micro_batches if mean else 1
         total = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=p.device)
         value = self._global_sum(total.to(torch.float32).reshape(())) / denominator / scale
         input_grads = self._scatter_input_grads(inputs, tensors, 1.0 / denominator)
         users = [t for k, t in enumerate(tensors) if t.requires_grad and k in self.stage0_inputs]
-        step = _HeldGradients(self.grads, fresh, 1.0 / denominator, input_grads,
+        step = _HeldGradients(self.grads, gradients, 1.0 / denominator, input_grads,
                               value.to(_loss_dtype(losses, value)), self.loss_scale)
         return _Loss.apply(step, self.anchor, *users)
 
@@ -281,13 +281,13 @@ def _loss_dtype(losses, value) -> torch.dtype:
 class _HeldGradients:
     """Gradients a fused step produced, waiting for the user's loss.backward()."""
 
-    def __init__(self, grads: GradSync, fresh: dict, scale: float, input_grads: list, value: torch.Tensor,
+    def __init__(self, grads: GradSync, gradients: Gradients, scale: float, input_grads: list, value: torch.Tensor,
                  loss_scale: LossScale | None):
-        self.grads, self.fresh, self.scale, self.input_grads = grads, fresh, scale, input_grads
+        self.grads, self.gradients, self.scale, self.input_grads = grads, gradients, scale, input_grads
         self.value, self.loss_scale = value, loss_scale
 
     def apply(self, grad_output: torch.Tensor) -> list:
-        self.grads.apply(self.fresh, self.scale * grad_output)
+        self.grads.apply(self.gradients, self.scale * grad_output)
         if self.loss_scale is not None:
             self.loss_scale.scaled = True
         return [g * grad_output for g in self.input_grads]

@@ -11,9 +11,11 @@ Model (what `simulate` assumes):
 - A transfer does not occupy the sender's compute (torch posts sends with batch_isend_irecv and moves on).
   It is a plain delay: no bandwidth shared between concurrent transfers, no link contention. Between two
   stages on the same rank (V-shaped schedules) it takes no time, whatever the costs say.
-- After the last action of the pipeline every rank runs its tail (gradient all-reduce and optimizer step).
-  partita's runtime sums the loss over all ranks right after the schedule, so no tail starts before the
-  whole pipeline has drained: step_s = makespan_s + max(tail_s).
+- After the last action of the pipeline every rank runs its tail: the part of its gradients' all-reduce that
+  its stages' last backwards did not hide (the runtime starts each bucket's sum as that backward finishes
+  its gradients; the cost model says how much shows: `CostModel.exposed_allreduce_s`), putting them into
+  .grad, and the optimizer step. partita's runtime sums the loss over all ranks right after the schedule,
+  so no tail starts before the whole pipeline has drained: step_s = makespan_s + max(tail_s).
 
 The loop is a ready list of ranks: a rank runs its next actions until one waits for an input that has not
 been produced; it is parked on that input and put back on the list when the input is produced. Every action
