@@ -3,9 +3,10 @@
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from partita.cluster import RuntimeOverheads
-from partita.profile.overheads import fit_overheads
+from partita.profile.overheads import _step_function, fit_overheads, probe_inputs
 
 # stand-ins for the probe's runs: data parallelism with its all-reduce seconds; pipelines with the actions
 # and messages each puts on its critical path
@@ -50,3 +51,20 @@ def test_a_data_parallel_cost_that_would_be_negative_is_fitted_through_zero():
     assert fitted.data_parallel_step_s == 0.0
     for run, y in zip(DATA_PARALLEL, measured):
         assert _predict(run, fitted) == pytest.approx(y, rel=0.1)
+
+
+def test_the_probe_trains_on_inputs_on_the_ranks_device():
+    """On a GPU job, CPU inputs would be refused ("input tensor #0 ... is on cpu"): the probe's inputs are made
+    on the device measured (here meta, the one other device a CPU machine has), its model stays on the CPU for
+    partita to place, as a user's does."""
+    called = []
+
+    def parallelize(model, optimizer, *, loss_fn, plan):
+        called.append(next(model.parameters()).device)
+        return lambda x, y: called.append((x.device, y.device)) or torch.zeros((), requires_grad=True)
+
+    step = _step_function(parallelize, SimpleNamespace(local_batch=4), torch.device("meta"))
+    step()
+    meta = torch.device("meta")
+    assert called == [torch.device("cpu"), (meta, meta)]
+    assert [t.shape for t in probe_inputs(4, meta)] == [(4, 512), (4, 512)]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from partita import settings
 from partita.errors import LaunchError
-from partita.launch import mpi, peers, ray_worker, rendezvous, slurm, threads, torchrun
+from partita.launch import gpus, mpi, peers, ray_worker, rendezvous, slurm, threads, torchrun
 from partita.launch.detected import Join, Placement
 
 log = logging.getLogger("partita")
@@ -189,7 +189,9 @@ def init() -> World:
         # the script created the group itself: its ranks are the truth
         me = Placement("existing group", dist.get_rank(), dist.get_world_size(), 0, 1, join=Join.ADOPT)
     if torch.cuda.is_available():
-        backend, device = "nccl", torch.device("cuda", me.local_rank)
+        index = gpus.gpu_of(me.local_rank, me.local_world_size, torch.cuda.device_count(),
+                            os.environ.get("CUDA_VISIBLE_DEVICES"))
+        backend, device = "nccl", torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
         backend, device = "gloo", torch.device("cpu")

@@ -44,17 +44,30 @@ def device_spec(device: torch.device) -> DeviceSpec:
     return min((d for k, d in DEVICES.items() if k != "cpu"), key=lambda d: abs(d.memory_bytes - total))
 
 
+def fixed_overhead_bytes(used: int, held: int) -> int:
+    """A process's fixed overhead: the memory it `used` less what its tensors `held`.
+
+    >>> fixed_overhead_bytes(5 * 2**30, 4 * 2**30) == 2**30
+    True
+    """
+    return max(used - held, 0)
+
+
 def _process_bytes(device: torch.device, model: torch.nn.Module) -> int:
-    """What this process uses on `device` besides the model's own tensors there: the fixed overhead. The model
-    is not part of it: each rank keeps only its stages' tensors, which the plan counts with each stage."""
+    """What this process uses on `device` besides its tensors: the fixed overhead (libraries, the CUDA context,
+    NCCL's buffers), measured when measuring is done (the communicators exist) and before the rank builds its
+    part of the model. Tensors are not part of it: the plan counts the model's with each stage, activations
+    with the schedule. One rule on both devices, the process's memory less what its tensors hold: on a GPU,
+    the device's used memory less all that torch's allocator reserved (weights already there, and the blocks
+    measuring freed, which the allocator keeps for the job); on the CPU, the resident memory less the model's
+    tensors there (freed big blocks go back to the system, launch.env)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        used = int(total - free)
-    else:
-        with open("/proc/self/statm") as f:
-            used = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t.device.type == device.type}
-    return max(used - sum(t.numel() * t.element_size() for t in tensors.values()), 0)
+        return fixed_overhead_bytes(int(total - free), int(torch.cuda.memory_reserved(device)))
+    with open("/proc/self/statm") as f:
+        used = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu"}
+    return fixed_overhead_bytes(used, sum(t.numel() * t.element_size() for t in tensors.values()))
 
 
 def _agreed(flag: bool) -> bool:

@@ -10,7 +10,11 @@ statistics) are restored, and the random number generators are forked.
 A model built on the meta device (or bigger than one device) is measured block by block, as RaNNC does: a
 meta parameter or buffer gets a stand-in of its shape (random values of the scale weights are initialized
 at) only while the operation or block that reads it runs, so that no more than one block's weights exist at
-a time. Timing needs real memory and values of the right magnitude, not the model's own values.
+a time. Timing needs real memory and values of the right magnitude, not the model's own values. A model on
+the CPU measured on a GPU (it arrives on the CPU; only after planning does each rank move its part to its
+GPU) is measured the same way, with a copy of each weight on the GPU while its block runs.
+
+On a GPU, times are taken between CUDA events around the calls, the kernels' own time, not the host's.
 """
 
 from __future__ import annotations
@@ -65,16 +69,24 @@ def stand_in(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return values.uniform_(-STAND_IN_SCALE, STAND_IN_SCALE, generator=torch.Generator(device).manual_seed(0))
 
 
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` as measuring uses it on `device`: itself if there, a stand-in if meta, else a copy on `device`."""
+    if t.device == device:
+        return t
+    return stand_in(t, device) if t.is_meta else t.to(device)
+
+
 def _real(value, device: torch.device):
-    """`value` (any structure of tensors) with a stand-in for each meta tensor."""
-    return pytree.tree_map_only(torch.Tensor, lambda t: stand_in(t, device) if t.is_meta else t, value)
+    """`value` (any structure of tensors) with each tensor on `device` (`on_device`)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: on_device(t, device), value)
 
 
 def _standing_in(module: nn.Module, device: torch.device):
-    """`module`'s meta parameters and buffers replaced by stand-ins for the duration of the block."""
-    values = {name: nn.Parameter(stand_in(t, device), t.requires_grad) if isinstance(t, nn.Parameter)
-              else stand_in(t, device)
-              for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta}
+    """`module`'s parameters and buffers that are not on `device` (meta, or on the CPU while measuring on a
+    GPU) replaced by tensors there (`on_device`) for the duration of the block."""
+    values = {name: nn.Parameter(on_device(t, device), t.requires_grad) if isinstance(t, nn.Parameter)
+              else on_device(t, device)
+              for name, t in [*module.named_parameters(), *module.named_buffers()] if t.device != device}
     return _reparametrize_module(module, values)
 
 
@@ -154,22 +166,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds per call: the median of REPEATS samples, each of as many calls as last SAMPLE_S together."""
+def seconds(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """Seconds that `calls` calls of `fn` take on `device`: between CUDA events recorded on its stream before
+    and after them on a GPU (kernels run after the host returns, so a clock around the calls would time their
+    launch), by the clock on the CPU. Waits for the work queued before, so that it is not counted."""
     _sync(device)
-    start = time.perf_counter()
-    fn()  # warm-up, and a first estimate
-    _sync(device)
-    calls = max(1, min(1000, int(SAMPLE_S / max(time.perf_counter() - start, 1e-7))))
-    times = []
-    for _ in range(REPEATS):
-        _sync(device)
-        start = time.perf_counter()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         for _ in range(calls):
             fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return time.perf_counter() - started
+
+
+def _median_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds per call: the median of REPEATS samples, each of as many calls as last SAMPLE_S together."""
+    first = seconds(fn, 1, device)  # warm-up, and a first estimate
+    calls = max(1, min(1000, int(SAMPLE_S / max(first, 1e-7))))
+    return statistics.median(seconds(fn, calls, device) / calls for _ in range(REPEATS))
 
 
 STREAM_BYTES_RANGE = (64 * 2**10, 512 * 2**20)  # measured at the parameters' size, within this range
@@ -182,11 +202,7 @@ def _cold_median_seconds(fn: Callable[[], object], device: torch.device, evict: 
     times = []
     for i in range(COLD_REPEATS + 1):
         evict.fill_(float(i))
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(seconds(fn, 1, device))
     return statistics.median(times[1:])
 
 

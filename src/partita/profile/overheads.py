@@ -8,8 +8,9 @@ Python on both ends, and on a shared CPU a wait for a core after a long computat
 
 All are measured with partita itself, on a probe model that computes about as long per action as real
 stages do (a message after a millisecond of compute costs more than one after none), trained under plans of
-several shapes given by hand (so nothing is planned recursively). The probe's blocks are measured like any
-model's, and the constants are fitted so that the planner's own cost model and simulator predict the probe's
+several shapes given by hand (so nothing is planned recursively). The probe arrives as a user's model does,
+on the CPU, and partita places it on the job's devices; its inputs are on the rank's device, as a user's must
+be (on a GPU, CPU inputs would be refused). The probe's blocks are measured like any model's, and the constants are fitted so that the planner's own cost model and simulator predict the probe's
 measured steps: they then mean exactly what the planner uses them for, and nothing the cost model already
 counts (the optimizer step, gradient traffic) is counted twice.
 """
@@ -69,13 +70,18 @@ def _hand_plan(graph, world: int, stages: int, micro_batches: int, schedule: str
                        constraints=Constraints(stages=stages, micro_batches=micro_batches, schedule=schedule))
 
 
-def _step_function(parallelize: Parallelize, plan: Plan, layers: int = _LAYERS) -> Callable[[], None]:
+def probe_inputs(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probe's inputs and targets for one rank: `rows` rows, on the rank's device."""
+    return torch.randn(rows, _WIDTH, device=device), torch.randn(rows, _WIDTH, device=device)
+
+
+def _step_function(parallelize: Parallelize, plan: Plan, device: torch.device,
+                   layers: int = _LAYERS) -> Callable[[], None]:
     """One training step of the probe under `plan`, ready to be timed."""
     model = _probe_model(layers)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     pm = parallelize(model, opt, loss_fn=torch.nn.MSELoss(), plan=plan)
-    local_batch = plan.local_batch
-    x, y = torch.randn(local_batch, _WIDTH), torch.randn(local_batch, _WIDTH)
+    x, y = probe_inputs(plan.local_batch, device)
 
     def step():
         opt.zero_grad()
@@ -115,7 +121,7 @@ def _probe_graphs(device: torch.device, at_once: int) -> tuple[dict, dict | None
     from partita.profile.block_times import measure_blocks, stream_bandwidth
 
     depths = sorted({_LAYERS, *DATA_PARALLEL_LAYERS})
-    caps = {d: capture(_probe_model(d), (torch.zeros(_ROWS, _WIDTH),), {}) for d in depths}
+    caps = {d: capture(_probe_model(d), (torch.zeros(_ROWS, _WIDTH, device=device),), {}) for d in depths}
     graphs = {d: model_graph(cap) for d, cap in caps.items()}
     deepest = depths[-1]  # its blocks are every probe's blocks
     costs = measure_blocks(caps[deepest], graphs[deepest], _ROWS, device, show_progress=False, at_once=at_once)
@@ -137,7 +143,7 @@ def measure_overheads(cluster: Cluster | None, device: torch.device, parallelize
     runs += [(_LAYERS, _hand_plan(graphs[_LAYERS], world, stages, m, schedule))
              for stages, schedule, m in _shapes(world)]
     with _quiet():
-        steps = [_step_function(parallelize, plan, layers) for layers, plan in runs]
+        steps = [_step_function(parallelize, plan, device, layers) for layers, plan in runs]
         for step in steps:  # the first call captures and sets up
             step()
         # the configurations take turns, so that a slower spell of a shared machine weighs on all of them alike

@@ -122,10 +122,20 @@ def release_freed_memory() -> None:
         pass
 
 
+def foreign_devices(devices: Iterable[torch.device], device: torch.device) -> list[str]:
+    """Those of `devices` a rank computing on `device` does not take a model's tensors from: a model arrives on
+    the CPU or the meta device (or on the rank's own device), and the rank moves or materializes its part on
+    `device`; one on another GPU (another rank's) would be copied silently.
+
+    >>> foreign_devices([torch.device("cpu"), torch.device("cuda", 1)], torch.device("cuda", 0))
+    ['cuda:1']
+    """
+    return sorted({str(d) for d in devices if d.type not in ("cpu", "meta") and d != device})
+
+
 def check_devices(module: nn.Module, device: torch.device) -> None:
-    """A model whose tensors are on another rank's GPU is an error: moving them would copy them silently."""
-    elsewhere = sorted({str(t.device) for t in _tensors(module)
-                        if t.device.type not in ("cpu", "meta") and t.device != device})
+    """A model whose tensors are on another rank's GPU is an error (`foreign_devices`)."""
+    elsewhere = foreign_devices((t.device for t in _tensors(module)), device)
     if elsewhere:
         raise ModelError(f"the model has tensors on {', '.join(elsewhere)}, but this rank computes on {device}. "
                          "Build the model on the CPU or on the meta device on every rank (partita moves each "

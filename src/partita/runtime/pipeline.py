@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from partita.capture.export import CapturedGraph
@@ -36,6 +35,27 @@ from partita.runtime.grads import GradSync
 from partita.runtime.precision import LowPrecision
 from partita.schedule import Action, orders
 from partita.schedule.action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
+
+try:  # torch 2.13: a stage takes its metadata as given (static) or exchanges it (dynamic), as it is told
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    STATIC_METADATA = InferenceMode.STATIC
+except ImportError:  # torch 2.11: a stage given its shapes exchanges nothing by itself
+    STATIC_METADATA = None
+
+
+def prepare_static(stage: PipelineStage, micro_batches: int, has_backward: bool) -> None:
+    """Prepare `stage` to run `micro_batches` micro-batches of the shapes it was built with: no metadata
+    exchange, receive buffers sized from those shapes. torch does this inside its schedules' private
+    initialisation, differently in 2.11 and 2.13 (`STATIC_METADATA`)."""
+    stage.has_backward = has_backward
+    if STATIC_METADATA is None:
+        stage._prepare_forward_infra(micro_batches, (), {})
+    else:
+        stage._inference_mode = STATIC_METADATA
+        stage._prepare_forward_infra(micro_batches, (), {}, has_backward)
+    if has_backward:
+        stage._prepare_backward_infra(micro_batches)
 
 
 class RecordingStage(PipelineStage):
@@ -167,14 +187,8 @@ class Pipeline:
 
     # ---- partita's driver: forward now, backward when the user's loss reaches us ------------------
     def _prepare(self) -> None:
-        # torch prepares stages inside its schedules' private initialisation; this driver does the same
-        # for static shapes: no metadata exchange, recv buffers sized from the shapes given above.
         for stage in self.stages:
-            stage.has_backward = self.has_backward
-            stage._inference_mode = InferenceMode.STATIC
-            stage._prepare_forward_infra(self.micro_batches, (), {}, self.has_backward)
-            if self.has_backward:
-                stage._prepare_backward_infra(self.micro_batches)
+            prepare_static(stage, self.micro_batches, self.has_backward)
         self._prepared = True
 
     def forward(self, micro_batches: list[tuple] | None) -> list[tuple[torch.Tensor, ...]] | None:

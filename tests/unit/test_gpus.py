@@ -1,0 +1,47 @@
+"""A rank's GPU: local rank r computes on the r-th visible GPU, and a node with more ranks than visible GPUs is
+partita's LaunchError on every one of its ranks (both numbers, CUDA_VISIBLE_DEVICES, the fix), before CUDA is
+touched, not CUDA's "invalid device ordinal" or NCCL's refusal of two ranks on one GPU."""
+
+import pytest
+import torch
+
+from partita.errors import LaunchError
+from partita.launch import env
+from partita.launch.gpus import gpu_of
+
+
+def test_a_rank_computes_on_the_gpu_of_its_local_rank():
+    assert [gpu_of(r, 4, 4, None) for r in range(4)] == [0, 1, 2, 3]
+    assert gpu_of(1, 2, 8, "0,1,2,3,4,5,6,7") == 1
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_more_ranks_than_gpus_stops_every_rank_of_the_node(local_rank):
+    # rank 0 has a GPU of its own, yet would share it with nobody only if the others stopped: it stops too
+    with pytest.raises(LaunchError) as e:
+        gpu_of(local_rank, 2, 1, "3")
+    text = str(e.value)
+    assert "2 ranks" in text and "only 1 GPU is visible" in text
+    assert "CUDA_VISIBLE_DEVICES '3'" in text
+    assert "partita run -n 1" in text and "make 2 GPUs visible" in text
+
+
+def test_the_error_says_when_cuda_visible_devices_is_unset():
+    with pytest.raises(LaunchError, match="CUDA_VISIBLE_DEVICES unset"):
+        gpu_of(0, 8, 4, None)
+
+
+def test_init_stops_before_touching_the_gpu(monkeypatch):
+    """env.init() on a CUDA node with 2 ranks and 1 GPU: the LaunchError, before set_device or any rendezvous."""
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "CUDA_VISIBLE_DEVICES": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def touched(device):
+        raise AssertionError(f"set_device({device}) was called")
+
+    monkeypatch.setattr(torch.cuda, "set_device", touched)
+    with pytest.raises(LaunchError, match=r"2 ranks but only 1 GPU is visible \(CUDA_VISIBLE_DEVICES '0'\)"):
+        env.init()
