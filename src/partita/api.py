@@ -72,15 +72,16 @@ class ParallelModule(nn.Module):
             tensors, signature = flatten_call(tuple(args), kwargs)
         except BatchError as e:
             problem = problem or e
-        rows = self._agree_call(tensors, target, signature, problem, world.device)
-        call = Call(tuple(args), kwargs, tensors, signature, target, rows)
+        call = Call(tuple(args), kwargs, tensors, signature, target,
+                    self._start_agreeing(tensors, target, signature, problem, world.device))
         if self._runtime is None:
             self._setup(call)
         return self._runtime(call)
 
-    def _agree_call(self, tensors: list[torch.Tensor], target: torch.Tensor | None, signature: CallSignature | None,
-                    problem: BatchError | None, device: torch.device) -> tuple[int, ...]:
-        """Every rank's local rows, once all ranks agree on this call (see runtime.agreement)."""
+    def _start_agreeing(self, tensors: list[torch.Tensor], target: torch.Tensor | None,
+                        signature: CallSignature | None, problem: BatchError | None,
+                        device: torch.device) -> agreement.Agreement:
+        """Start agreeing with every rank on this call (see runtime.agreement); `rows()` waits for them."""
         every = tensors + ([target] if target is not None else [])
         problem = problem or misplaced(every, device) or dtype_problem(self._input_dtypes, tensors)
         rows = 0
@@ -91,16 +92,17 @@ class ParallelModule(nn.Module):
         same_shapes = self._runtime is None or self._runtime.same_shapes
         description = agreement.describe_call(tensors, target, signature, same_shapes=same_shapes,
                                               training=self.module.training)
-        return agreement.agree_call(description, rows, problem)
+        return agreement.start_call(description, rows, problem)
 
     def _setup(self, call: Call) -> None:
         world = env.world()
+        rows = call.rows  # every rank agrees on the call before the collectives of setting up
         with agreement.together("capturing the model"), in_mode(self.module, True):
             check_devices(self.module, world.device)
             cap = capture(self.module, call.args, call.kwargs)
             self._input_dtypes = input_dtypes(cap)
             graph = model_graph(cap)
-        self._planned = agreed_plan(cap, graph, call.rows, self._request, parallelize)
+        self._planned = agreed_plan(cap, graph, rows, self._request, parallelize)
         if world.rank == 0:
             env.log_to_stderr()
             log.info("%s", self._planned.plan.explain())

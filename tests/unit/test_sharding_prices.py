@@ -73,20 +73,23 @@ def test_more_sharding_holds_less_for_big_parameters_and_small_activations():
 
 def test_time_of_each_level():
     """Per micro-batch: "gradients" reduce-scatters in each backward, "parameters" also gathers before each
-    forward and backward; per step "gradients" gathers once, "optimizer" after the step; FSDP's levels step
-    their shard and all-reduce nothing. With more than one micro-batch "parameters" is the slower."""
+    forward and backward, one collective per unit (block); per step "gradients" gathers once, "optimizer"
+    after the step; FSDP's levels step their shard and all-reduce nothing. With more than one micro-batch
+    "parameters" is the slower."""
     graph, profile = graph_of([8, 16, 4, 4])
     R, M = 4, 4
     c = cluster(8, 10**4)
     model = CostModel(graph, profile, c, 2, Layout("1F1B", 2, 2, R, M, 2))
     P, ranks = 24 * MB, model.ranks[0]
-    gather, allreduce = c.allgather_s(P, ranks), c.allreduce_s(P, ranks)
+    assert model.unit_count(0, 2) == 2
+    gather, reduce = 2 * c.allgather_s(P / 2, ranks), 2 * c.reduce_scatter_s(P / 2, ranks)
+    allreduce = c.allreduce_s(P, ranks)
     none, zero1, zero2, zero3 = (model.priced(0, 0, 2, False, level)
                                  for level in ("none", "optimizer", "gradients", "parameters"))
-    assert (zero2.fwd_s, zero2.bwd_s) == pytest.approx((none.fwd_s, none.bwd_s + gather))
-    assert (zero3.fwd_s, zero3.bwd_s) == pytest.approx((none.fwd_s + gather, none.bwd_s + 2 * gather))
-    assert (zero2.collective_s, zero3.collective_s) == pytest.approx((gather, 3 * gather))
-    assert [x.gather_s for x in (none, zero1, zero2, zero3)] == pytest.approx([0, gather, gather, 0])
+    assert (zero2.fwd_s, zero2.bwd_s) == pytest.approx((none.fwd_s, none.bwd_s + reduce))
+    assert (zero3.fwd_s, zero3.bwd_s) == pytest.approx((none.fwd_s + gather, none.bwd_s + gather + reduce))
+    assert (zero2.collective_s, zero3.collective_s) == pytest.approx((reduce, 2 * gather + reduce))
+    assert [x.gather_s for x in (none, zero1, zero2, zero3)] == pytest.approx([0, c.allgather_s(P, ranks), gather, 0])
     assert [x.allreduce_s for x in (none, zero1, zero2, zero3)] == pytest.approx([allreduce, allreduce, 0, 0])
     assert [x.optimizer_s for x in (none, zero1, zero2, zero3)] == \
         pytest.approx([none.optimizer_s, none.optimizer_s / R, none.optimizer_s / R, none.optimizer_s / R])
@@ -170,7 +173,8 @@ def test_a_parameter_several_blocks_read_stays_whole():
     assert (cost.memory.params, cost.memory.optimizer) == (int(kept), int(2 * kept))
     assert cost.memory.gathered == (P - whole) + 8 * MB
     assert cost.allreduce_s == pytest.approx(c.allreduce_s(whole, model.ranks[0]))
-    assert cost.gather_s == pytest.approx(c.allgather_s(P - whole, model.ranks[0]))
+    units = model.unit_count(0, 2)
+    assert units == 2 and cost.gather_s == pytest.approx(units * c.allgather_s((P - whole) / units, model.ranks[0]))
 
 
 def test_memory_floors_are_lower_bounds_that_grow_with_the_stage():
@@ -215,3 +219,24 @@ def test_zero_bubble_schedules_do_not_run_fsdp_levels():
         with pytest.raises(PlanError, match="stage 0: .*runs on torch's FSDP"):
             sharded.validate()
     assert Constraints(sharding="gradients").schedule_problem("1F1B") is None
+
+
+def test_measured_collectives_price_fsdp_and_data_parallelism_chooses_ddp_where_they_are_slow():
+    """gloo's reduce-scatter took 1.5 all-reduces and its all-gather one (4 CPU ranks, bench/ddp_parity.py's
+    MLP): measured, they are priced as measured, rescaled to the group like the all-reduce, one per unit; then
+    data parallelism of 10 blocks of 1 MiB is fastest under DDP, not under ZeRO-2's 10 reduce-scatters."""
+    graph, profile = graph_of([1] * 10)
+    allreduce = Link(5e-3, 4.5e8)
+    measured = cluster(4, 10**4)
+    measured = dataclasses.replace(measured, allreduce=allreduce, allreduce_ranks=4,
+                                   reduce_scatter=Link(7e-3, 3e8), allgather=Link(5e-3, 4.5e8))
+    ranks = (0, 1, 2, 3)
+    assert measured.reduce_scatter_s(MB, ranks) == pytest.approx(7e-3 + MB / 3e8)
+    assert measured.allgather_s(MB, ranks[:2]) == pytest.approx(5e-3 / 3 + MB / 4.5e8 * (1 / 2) / (3 / 4))
+    assert cluster(4, 10**4).reduce_scatter_s(MB, ranks) == pytest.approx(cluster(4, 10**4).allreduce_s(MB, ranks) / 2)
+    model = CostModel(graph, profile, measured, 1, Layout("GPipe", 1, 1, 4, 1, 4))
+    zero2 = model.priced(0, 0, 10, False, "gradients")
+    assert zero2.collective_s == pytest.approx(10 * measured.reduce_scatter_s(MB, ranks))
+    plan = choose_plan(graph, profile, measured, global_batch=16, optimizer_factor=1,
+                       constraints=Constraints(stages=1, micro_batches=1))
+    assert plan.stages[0].sharding == "none"

@@ -63,7 +63,9 @@ class Cluster:
     # measured links replace the device's nominal ones (a real run measures its own backend)
     p2p: Link | None = None
     allreduce: Link | None = None  # measured all-reduce of `allreduce_ranks` ranks
-    allreduce_ranks: int = 0
+    allreduce_ranks: int = 0  # the ranks every measured collective ran over
+    reduce_scatter: Link | None = None  # measured, by the whole tensor's bytes
+    allgather: Link | None = None  # measured, by the whole tensor's bytes
     memory_bytes: int = 0  # per rank, when less than the device's (shared host RAM, a user limit)
     fixed_overhead_bytes: int = -1  # measured; -1: the device preset's
     overheads: RuntimeOverheads | None = None  # measured; None: the device preset's typical values
@@ -120,19 +122,32 @@ class Cluster:
         if n <= 1 or nbytes <= 0:
             return 0.0
         if self.allreduce is not None and self.allreduce_ranks > 1:
-            # the measured fit, rescaled from its group size to this one by the ring's step count and volume
-            w = self.allreduce_ranks
-            return (self.allreduce.latency_s * (n - 1) / (w - 1)
-                    + nbytes / self.allreduce.bandwidth_bps * ((n - 1) / n) / ((w - 1) / w))
+            return self._rescaled(self.allreduce, nbytes, n)
         # a node's ranks are consecutive: the group spans nodes if its first and last rank are on different ones
         spans = self.node_of(min(ranks)) != self.node_of(max(ranks))
         link = self.device.inter_node if spans else self.device.intra_node
         return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth_bps
 
     def allgather_s(self, nbytes: float, ranks: tuple[int, ...] | list[int]) -> float:
-        """Seconds for every rank of `ranks` to get every other's share of `nbytes`: a ring all-gather, the
-        second half of a ring all-reduce."""
-        return self.allreduce_s(nbytes, ranks) / 2
+        """Seconds for every rank of `ranks` to get every other's share of `nbytes`: as measured, else a ring
+        all-gather, the second half of a ring all-reduce."""
+        return self._half_of_allreduce(self.allgather, nbytes, ranks)
+
+    def reduce_scatter_s(self, nbytes: float, ranks: tuple[int, ...] | list[int]) -> float:
+        """Seconds for every rank of `ranks` to get its share of the sum of `nbytes`: as measured, else a ring
+        reduce-scatter, the first half of a ring all-reduce."""
+        return self._half_of_allreduce(self.reduce_scatter, nbytes, ranks)
+
+    def _half_of_allreduce(self, measured: Link | None, nbytes: float, ranks: tuple[int, ...] | list[int]) -> float:
+        if measured is None or self.allreduce_ranks < 2:
+            return self.allreduce_s(nbytes, ranks) / 2
+        return self._rescaled(measured, nbytes, len(ranks)) if len(ranks) > 1 and nbytes > 0 else 0.0
+
+    def _rescaled(self, measured: Link, nbytes: float, n: int) -> float:
+        """A collective measured over `allreduce_ranks` ranks, rescaled to n ranks by a ring's step count and
+        volume."""
+        w = self.allreduce_ranks
+        return measured.latency_s * (n - 1) / (w - 1) + nbytes / measured.bandwidth_bps * ((n - 1) / n) / ((w - 1) / w)
 
     def describe(self) -> str:
         return f"{self.num_nodes} x {self.devices_per_node} x {self.device.name}"

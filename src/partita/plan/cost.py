@@ -41,6 +41,7 @@ with one stage instead of torch's DDP, and is costed as such (`Layout.pipelined`
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -311,14 +312,27 @@ class CostModel:
         return (self._bwd[stop] - self._bwd[start] + self.gradient_traffic_s(param_bytes)) * self.compute_stretch \
             + self.action_s
 
-    def collectives_s(self, stage: int, sharded_bytes: float, sharding: str) -> tuple[float, float]:
+    def collectives_s(self, stage: int, sharded_bytes: float, sharding: str, units: int = 1) -> tuple[float, float]:
         """Seconds of FSDP's collectives over the stage's replicas per micro-batch, in its (forward, backward):
-        each backward reduce-scatters the gradients (an all-gather's time); "parameters" also gathers the
-        parameters before each forward and each backward."""
+        each backward reduce-scatters the gradients; "parameters" also gathers the parameters before each
+        forward and each backward. One collective per unit, each paying the latency (`units` of equal size
+        cost what units of any sizes do under latency + bytes / bandwidth)."""
         if sharding not in FSDP_LEVELS:
             return 0.0, 0.0
-        gather = self.cluster.allgather_s(sharded_bytes, self.ranks[stage])
-        return (gather, 2 * gather) if sharding == "parameters" else (0.0, gather)
+        ranks, units = self.ranks[stage], max(units, 1)
+        reduce = units * self.cluster.reduce_scatter_s(sharded_bytes / units, ranks)
+        if sharding == "gradients":
+            return 0.0, reduce
+        gather = units * self.cluster.allgather_s(sharded_bytes / units, ranks)
+        return gather, gather + reduce
+
+    def unit_count(self, start: int, stop: int) -> int:
+        """FSDP units of blocks [start, stop): the blocks with parameters of their own."""
+        return self._units_before[stop] - self._units_before[start]
+
+    @cached_property
+    def _units_before(self) -> list[int]:
+        return [0, *itertools.accumulate(1 if b else 0 for b in self._own_bytes)]
 
     def _compute_stage(self, stage: int, start: int, stop: int, recompute: bool | None) -> StageCost | None:
         """Without recomputation before with it; for each, the sharding with the stage's shortest time among
@@ -339,8 +353,9 @@ class CostModel:
         params = self.param_bytes(start, stop)
         fwd, bwd = self.forward_s(start, stop), self.backward_s(start, stop, params)
         whole = self.units(start, stop)[0] if sharding in FSDP_LEVELS else 0
-        coll_fwd, coll_bwd = self.collectives_s(stage, params - whole, sharding)
-        allreduce, apply, optimizer, gather = self.per_step(stage, params, whole, sharding)
+        units = self.unit_count(start, stop)
+        coll_fwd, coll_bwd = self.collectives_s(stage, params - whole, sharding, units)
+        allreduce, apply, optimizer, gather = self.per_step(stage, params, whole, sharding, units)
         return StageCost(
             blocks=(start, stop), recompute=recompute, fwd_s=fwd + coll_fwd,
             bwd_s=bwd + (fwd if recompute else 0.0) + coll_bwd,  # a recomputed forward runs after the gathers
@@ -388,13 +403,16 @@ class CostModel:
         passes = 2 + (2 if self.layout.num_replicas > 1 else 0)
         return (param_bytes * passes + shard_bytes * 2) / self.stream_bps * self.step_stretch
 
-    def per_step(self, stage: int, param_bytes: int, whole: int, sharding: str) -> tuple[float, float, float, float]:
+    def per_step(self, stage: int, param_bytes: int, whole: int, sharding: str,
+                 units: int = 1) -> tuple[float, float, float, float]:
         """Per step, (all-reduce, gradients into .grad, optimizer step, all-gather) seconds of a stage's
-        parameters, `whole` bytes of which FSDP's levels keep whole (the rest they shard)."""
+        parameters, `whole` bytes of which FSDP's levels keep whole (the rest they shard, in `units`)."""
         ranks, replicas = self.ranks[stage], self.layout.num_replicas
         if sharding in FSDP_LEVELS:
             shard = (param_bytes - whole) / replicas
-            gather = self.cluster.allgather_s(param_bytes - whole, ranks) if sharding == "gradients" else 0.0
+            units = max(units, 1)
+            gather = units * self.cluster.allgather_s((param_bytes - whole) / units, ranks) \
+                if sharding == "gradients" else 0.0
             return (self.cluster.allreduce_s(whole, ranks), self.apply_gradients_s(whole, shard),
                     self.optimizer_s(whole + shard), gather)
         gather = self.cluster.allgather_s(param_bytes, ranks) if sharding == "optimizer" else 0.0

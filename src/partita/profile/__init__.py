@@ -20,13 +20,13 @@ from partita.graph import ModelGraph, Profile
 from partita import cache
 from partita.profile.block_times import measure_blocks, profile_rows, stream_bandwidth
 from partita.plan.explain import seconds, size
-from partita.profile.comm import SIZES_BYTES, measure_allreduce, measure_p2p
+from partita.profile.comm import SIZES_BYTES, measure_allgather, measure_allreduce, measure_p2p, measure_reduce_scatter
 from partita.profile.overheads import STEPS as PROBE_STEPS
 from partita.profile.overheads import Parallelize, measure_overheads
 
 __all__ = ["Parallelize", "device_spec", "measure"]
 
-MEASUREMENT_VERSION = 6  # part of every cache key: measurements made differently are not reused
+MEASUREMENT_VERSION = 7  # part of every cache key: measurements made differently are not reused
 
 log = logging.getLogger("partita")
 
@@ -166,12 +166,13 @@ def _links(job: _Job, memory_per_rank: int, parallelize: Parallelize) -> dict:
     """The links between ranks and partita's own costs, as cached (JSON-ready). Collective."""
     started = time.perf_counter()
     if job.say and job.world > 1:
-        log.info("timing messages between the %d ranks (point-to-point and all-reduce, %s to %s), then "
+        log.info("timing messages between the %d ranks (point-to-point, all-reduce, reduce-scatter and all-gather, %s to %s), then "
                  "partita's own costs per step (a small probe model trained %d steps under each of a few plans)",
                  job.world, size(min(SIZES_BYTES)), size(max(SIZES_BYTES)), PROBE_STEPS)
-    p2p, allreduce = measure_p2p(job.device), measure_allreduce(job.device)
-    links = {"p2p": p2p and [p2p.latency_s, p2p.bandwidth_bps],
-             "allreduce": allreduce and [allreduce.latency_s, allreduce.bandwidth_bps], "overheads": None}
+    measured = {"p2p": measure_p2p(job.device), "allreduce": measure_allreduce(job.device),
+                "reduce_scatter": measure_reduce_scatter(job.device), "allgather": measure_allgather(job.device)}
+    links: dict = {name: link and [link.latency_s, link.bandwidth_bps] for name, link in measured.items()}
+    links["overheads"] = None
     if job.world > 1:  # collective; fitted on rank 0, against the links just measured
         cluster = _cluster(job, memory_per_rank, links) if job.rank == 0 else None
         runtime = measure_overheads(cluster, job.device, parallelize, _at_once(job))
@@ -187,6 +188,8 @@ def _cluster(job: _Job, memory_per_rank: int, links: dict, overhead_bytes: int =
         device=job.spec, num_nodes=max(1, job.world // per_node), devices_per_node=per_node,
         p2p=Link(*links["p2p"]) if links["p2p"] else None,
         allreduce=Link(*links["allreduce"]) if links["allreduce"] else None, allreduce_ranks=job.world,
+        reduce_scatter=Link(*links["reduce_scatter"]) if links["reduce_scatter"] else None,
+        allgather=Link(*links["allgather"]) if links["allgather"] else None,
         memory_bytes=memory_per_rank, fixed_overhead_bytes=overhead_bytes,
         overheads=RuntimeOverheads(**links["overheads"]) if links.get("overheads") else None,
         cores_per_node=job.cores if per_node > job.cores else 0,

@@ -1,13 +1,15 @@
-"""Measure the real backend between the real ranks: point-to-point and all-reduce, as latency + bytes/bandwidth.
+"""Measure the real backend between the real ranks: point-to-point and the collectives partita runs, as
+latency + bytes/bandwidth.
 
-Point-to-point: a ping-pong between ranks 0 and 1 (every other rank waits at a barrier); all-reduce: over
-all ranks. Each is timed at a few sizes and fitted by least squares (the alpha-beta model).
+Point-to-point: a ping-pong between ranks 0 and 1 (every other rank waits at a barrier); all-reduce,
+reduce-scatter and all-gather: over all ranks. Each is timed at a few sizes and fitted by least squares (the alpha-beta model).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -60,18 +62,38 @@ def measure_p2p(device: torch.device) -> Link | None:
 
 
 def measure_allreduce(device: torch.device) -> Link | None:
-    """Time of an all-reduce over all ranks, by size; None with one rank."""
+    """Time of an all-reduce of a tensor over all ranks, by its size; None with one rank."""
+    return _measure_collective(device, lambda whole, _: dist.all_reduce(whole))
+
+
+def measure_reduce_scatter(device: torch.device) -> Link | None:
+    """Time of a reduce-scatter of a tensor over all ranks (each keeps its share of the sum), by the whole
+    tensor's size; None with one rank. FSDP's backward runs one per unit; gloo's costs more than half an
+    all-reduce (measured 1.5 times an all-reduce on 4 CPU ranks)."""
+    return _measure_collective(device, lambda whole, share: dist.reduce_scatter_tensor(share, whole))
+
+
+def measure_allgather(device: torch.device) -> Link | None:
+    """Time of an all-gather of every rank's share into the whole tensor, by the whole tensor's size; None with
+    one rank. FSDP gathers each unit's parameters so."""
+    return _measure_collective(device, lambda whole, share: dist.all_gather_into_tensor(whole, share))
+
+
+def _measure_collective(device: torch.device, run: Callable[[torch.Tensor, torch.Tensor], object]) -> Link | None:
+    """`run(whole, share)` over all ranks, timed at each size of the whole tensor and fitted."""
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return None
+    world = dist.get_world_size()
     points = []
     for nbytes in SIZES_BYTES:
-        buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        share = torch.zeros(max(1, nbytes // 4 // world), dtype=torch.float32, device=device)
+        whole = torch.zeros(share.numel() * world, dtype=torch.float32, device=device)
         times = []
         for _ in range(REPEATS + 1):
             dist.barrier()
             start = time.perf_counter()
-            dist.all_reduce(buf)
+            run(whole, share)
             _sync(device)
             times.append(time.perf_counter() - start)
-        points.append((nbytes, statistics.median(times[1:])))
+        points.append((whole.numel() * 4, statistics.median(times[1:])))
     return _fit(points)

@@ -54,19 +54,42 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
-def _exchange(state: State, rows: int, text: str, error: RankError | None = None) -> list[_Said]:
-    """Every rank's statement. The common case (every rank says the same) costs one all-reduce of two int64s:
-    the largest and the negated smallest digest of (state, rows, text) are equal only if every rank's is the
-    same. (gloo's all-gather of four int64s took 4 ms on 4 ranks sharing 2 cores, this 1.1 ms.) Otherwise one
-    more exchange, of every rank's whole statement."""
+@dataclass(frozen=True)
+class _Posted:
+    """A statement whose all-reduce is under way."""
+
+    state: State
+    rows: int
+    text: str
+    error: RankError | None
+    calls: int  # the calls of parallelized models this process had made
+    extremes: torch.Tensor
+    work: dist.Work
+
+
+def _post(state: State, rows: int, text: str, error: RankError | None = None) -> _Posted:
+    """Start telling every rank this statement. The common case (every rank says the same) costs one all-reduce
+    of two int64s: the largest and the negated smallest digest of (state, rows, text) are equal only if every
+    rank's is the same. (gloo's all-gather of four int64s took 4 ms on 4 ranks sharing 2 cores, this 1.1 ms.)"""
     word = _digest(f"{int(state)} {rows} {text}")
     extremes = torch.tensor([word, -word], dtype=torch.int64)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    if int(extremes[0]) == -int(extremes[1]):
-        return [_Said(state, -1, rows, text, error)] * dist.get_world_size()
+    return _Posted(state, rows, text, error, _calls, extremes,
+                   dist.all_reduce(extremes, op=dist.ReduceOp.MAX, async_op=True))
+
+
+def _said(posted: _Posted) -> list[_Said]:
+    """Every rank's statement: once the all-reduce of `_post` ends, or, where statements differ, after one more
+    exchange, of every rank's whole statement."""
+    posted.work.wait()
+    if int(posted.extremes[0]) == -int(posted.extremes[1]):
+        return [_Said(posted.state, -1, posted.rows, posted.text, posted.error)] * dist.get_world_size()
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (int(state), _calls, rows, text, error))
+    dist.all_gather_object(every, (int(posted.state), posted.calls, posted.rows, posted.text, posted.error))
     return [_Said(State(s), calls, r, t, e) for s, calls, r, t, e in every]
+
+
+def _exchange(state: State, rows: int, text: str, error: RankError | None = None) -> list[_Said]:
+    return _said(_post(state, rows, text, error))
 
 
 def _left_early(said: list[_Said], rank: int) -> str | None:
@@ -85,29 +108,56 @@ def _left_early(said: list[_Said], rank: int) -> str | None:
 def agree(description: str, what: str, problem: BaseException | None = None, rows: int = 0) -> tuple[int, ...]:
     """Every rank's local rows, once every rank described what it does the same way; otherwise the same error
     on every rank: a rank's `problem` (raised from it on that rank), a rank that left, or what differs."""
+    return start_agreeing(description, what, problem, rows).rows()
+
+
+class Agreement:
+    """An agreement under way: this rank's statement is posted, `rows()` waits for every rank's. Until then
+    the rank may compute, but must not join another collective: a rank whose statement differs joins the
+    exchange of every statement next."""
+
+    def __init__(self, what: str, problem: BaseException | None, rows: int, posted: _Posted | None):
+        self.what, self.problem, self.posted = what, problem, posted
+        self.counted = False  # a call of a parallelized model, counted in `_calls` once agreed
+        self._rows = (rows,) if posted is None else None
+
+    def rows(self) -> tuple[int, ...]:
+        """Every rank's local rows; the same error on every rank where they do not agree."""
+        global _calls
+        if self._rows is None:
+            self._rows = self._verdict(_said(self.posted))
+            _calls += self.counted
+        return self._rows
+
+    def _verdict(self, said: list[_Said]) -> tuple[int, ...]:
+        rank = dist.get_rank()
+        error = first_error([s.error for s in said], len(said))
+        if error is None and (why := _left_early(said, rank)):
+            error = PartitaError(why)
+        if error is None and len({s.text for s in said}) > 1:
+            groups: dict[str, list[int]] = {}
+            for r, s in enumerate(said):
+                groups.setdefault(s.text, []).append(r)
+            detail = "; ".join(f"ranks {rs}: {t}" for t, rs in groups.items())
+            error = BatchError(f"ranks disagree on {self.what}: {detail}. Every rank must pass inputs of the same "
+                               "structure, shapes and dtypes (a DistributedSampler with drop_last=True does this).")
+        if error is not None:
+            raise error from self.problem
+        return tuple(s.rows for s in said)
+
+
+def start_agreeing(description: str, what: str, problem: BaseException | None = None, rows: int = 0) -> Agreement:
+    """Post this rank's statement (see `agree`); a rank with a `problem` waits for the others at once."""
     if _single():
         if problem is not None:
             raise as_partita(problem) from problem
-        return (rows,)
-    rank = dist.get_rank()
+        return Agreement(what, None, rows, None)
     if problem is None:
-        said = _exchange(State.CALLING, rows, description)
-    else:
-        failed = RankError.of(rank, problem)
-        said = _exchange(State.FAILING, rows, f"{failed.kind}: {failed.message}", failed)
-    error = first_error([s.error for s in said], len(said))
-    if error is None and (why := _left_early(said, rank)):
-        error = PartitaError(why)
-    if error is None and len({s.text for s in said}) > 1:
-        groups: dict[str, list[int]] = {}
-        for r, s in enumerate(said):
-            groups.setdefault(s.text, []).append(r)
-        detail = "; ".join(f"ranks {rs}: {t}" for t, rs in groups.items())
-        error = BatchError(f"ranks disagree on {what}: {detail}. Every rank must pass inputs of the same "
-                           "structure, shapes and dtypes (a DistributedSampler with drop_last=True does this).")
-    if error is not None:
-        raise error from problem
-    return tuple(s.rows for s in said)
+        return Agreement(what, None, rows, _post(State.CALLING, rows, description))
+    failed = RankError.of(dist.get_rank(), problem)
+    agreement = Agreement(what, problem, rows, _post(State.FAILING, rows, f"{failed.kind}: {failed.message}", failed))
+    agreement.rows()  # raises this rank's problem, as every rank does
+    return agreement
 
 
 def describe_call(tensors: list[torch.Tensor], target: torch.Tensor | None, signature: CallSignature | None, *,
@@ -123,12 +173,11 @@ def describe_call(tensors: list[torch.Tensor], target: torch.Tensor | None, sign
     return f"{structure} {shapes} training={training} grad={torch.is_grad_enabled()}"
 
 
-def agree_call(description: str, rows: int, problem: BaseException | None = None) -> tuple[int, ...]:
-    """`agree` at the start of a call of a parallelized model, counted: every rank's local rows."""
-    global _calls
-    every = agree(description, "their inputs", problem, rows)
-    _calls += 1
-    return every
+def start_call(description: str, rows: int, problem: BaseException | None = None) -> Agreement:
+    """`start_agreeing` at the start of a call of a parallelized model, counted once agreed."""
+    agreement = start_agreeing(description, "their inputs", problem, rows)
+    agreement.counted = True
+    return agreement
 
 
 @contextlib.contextmanager

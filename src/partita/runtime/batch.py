@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from partita.capture.export import CallSignature
 from partita.errors import BatchError, PlanError
+from partita.runtime.agreement import Agreement
 
 
 def local_rows(tensors: list[torch.Tensor]) -> int:
@@ -80,7 +81,13 @@ class Call:
     tensors: list[torch.Tensor]  # the tensors among them, flattened
     signature: CallSignature
     target: torch.Tensor | None  # with a loss function: what the loss compares the outputs to
-    rows: tuple[int, ...]  # every rank's local rows
+    agreement: Agreement  # with every rank on this call, under way
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """Every rank's local rows, once every rank agreed on the call: until the first read, a rank may compute
+        but must join no other collective (`agreement.Agreement`)."""
+        return self.agreement.rows()
 
 
 def split_target(args: tuple, kwargs: dict, *, with_loss: bool) -> tuple[tuple, torch.Tensor | None,

@@ -26,10 +26,16 @@ class DataParallel(Runtime):
         super().__init__(module, plan, ownership, rank, device)
         self.loss = loss
         self.ddp = module if world_size == 1 else _ddp(module, cap)
+        # the agreement on a call runs during the forward (its loss all-reduce waits for it), unless DDP's
+        # forward has a collective of its own: a rank whose call differs would join another collective first
+        self.agrees_before_forward = isinstance(self.ddp, DistributedDataParallel) and self.ddp.broadcast_buffers \
+            and any(True for _ in module.buffers())
         # outputs leave in the captured graph's dtypes, as a pipeline's do (precision.py)
         self.out_dtypes = [o.meta["val"].dtype if isinstance(o, fx.Node) else None for o in cap.outputs]
 
     def __call__(self, call: Call):
+        if self.agrees_before_forward:
+            call.rows  # noqa: B018 - waits for the agreement of the call: DDP's forward broadcasts buffers
         if self.plan.precision == "fp32":
             out = self.ddp(*call.args, **call.kwargs)
         else:
