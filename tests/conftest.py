@@ -8,6 +8,9 @@ ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT / "tests", ROOT / "examples", ROOT / "src"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
+# the pools' forkserver imports partita as it starts, from the environment's path (Python 3.11 ignores the sys.path
+# it is handed): this tree's, not the one an editable install elsewhere points to
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 
 import partita
 from partita.runtime import agreement
+from partita.runtime.ownership import named_state
 from partita.schedule.catalog import stages_per_rank
 from support.zoo import CASES, Case
 
@@ -105,6 +106,19 @@ class _NoOptimizer:
         pass
 
 
+def _scaled_normal(module: torch.nn.Module) -> None:
+    """An init_fn as users write them: every Linear's weight drawn again, and a container that draws its last
+    Linear's once more, smaller (a parent writing its child's weight, as GPT-2 scales its residual layers)."""
+    if isinstance(module, torch.nn.Linear):
+        torch.nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+        last = [m for m in module if isinstance(m, torch.nn.Linear)][-1]
+        torch.nn.init.normal_(last.weight, std=0.01)
+
+
+INIT_FNS = {"scaled_normal": _scaled_normal}
+
+
 # Plans here come from the device preset's estimates instead of measurements, which cost seconds per model
 # and world size: every fidelity test fixes the layout it checks. test_bad_input.py plans from measurements.
 @mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
@@ -112,7 +126,8 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
              accumulate: int = 1, local_batch: int = 8, input_grad: bool = False, call_kwargs: dict | None = None,
              lr_schedule: str | None = None, statistics_replicas: int = 1, roundtrip: dict | None = None,
              eval_batch: int | None = None, no_grad_batch: int | None = None, reduction: str = "mean",
-             extra_rows: int = 0, build: str = "cpu", weights: str | None = None, **plan_args) -> dict:
+             extra_rows: int = 0, build: str = "cpu", weights: str | None = None, init_fn: str | None = None,
+             **plan_args) -> dict:
     """Train `steps` steps with partita and in one process; report the worst differences, the plans used and
     the global losses partita returned (as float.hex, to compare ranks bit for bit).
 
@@ -129,6 +144,8 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
         its initial parameters must equal the reference's bit for bit ("initial").
     weights: a file path: rank 0 saves other weights there (safetensors for .safetensors, else torch.save),
         the reference loads them and partita's model gets them with weights=.
+    init_fn: the name of an initialization in INIT_FNS: partita gets it as init_fn=, the reference applies it
+        after building (model.apply), as a user initializing a model on the CPU does.
     """
     if lr_schedule and roundtrip:
         raise ValueError("lr_schedule and roundtrip do not combine: the fresh run has no scheduler")
@@ -139,6 +156,8 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
         case = dataclasses.replace(case, loss_fn=summed)
     torch.manual_seed(0)
     ref = case.make()
+    if init_fn is not None:
+        ref.apply(INIT_FNS[init_fn])
     torch.manual_seed(0)
     with torch.device("meta" if build == "meta" else "cpu"):
         model = case.make()
@@ -148,7 +167,8 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
         ref.load_state_dict(_other_weights(ref, weights))
     opt, ref_opt = _optimizer(optimizer, model), _optimizer(optimizer, ref)
     loss_fn = case.loss_fn if style == "loss_fn" else None
-    pm = partita.parallelize(model, _real(opt), loss_fn=loss_fn, weights=weights, **plan_args)
+    pm = partita.parallelize(model, _real(opt), loss_fn=loss_fn, weights=weights,
+                             init_fn=INIT_FNS[init_fn] if init_fn is not None else None, **plan_args)
     side = _SideBySide(case, style, ref, ref_opt, local_batch, accumulate, input_grad, call_kwargs or {},
                        statistics_replicas, _scheduler(lr_schedule, ref_opt), extra_rows,
                        exact_initial=build != "cpu" or weights is not None)
@@ -218,29 +238,45 @@ def precision_losses(name: str, precision: str, *, steps: int = 5, local_batch: 
 
 @mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
 def hf_on_meta(name: str, steps: int = 3, **plan_args) -> dict:
-    """A Hugging Face model built on the meta device, initialized by its own _init_weights (init_fn), trained:
-    the global losses, what this rank holds, and whether every tensor it holds is finite."""
+    """A Hugging Face model built on the meta device, initialized by its own _init_weights (init_fn), trained;
+    and the same model built on the CPU from the same seed, trained the same way. What this rank holds, the
+    tensors it holds whose initial values differ from the CPU-built model's (bit for bit), whether every tensor
+    it holds is finite after training, and the global losses of both runs (as float.hex)."""
     case = CASES[name]
+    torch.manual_seed(0)
+    built = case.make()
+    want = {n: t.clone() for n, t in named_state(built).items()}
     torch.manual_seed(0)
     with torch.device("meta"):
         model = case.make()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     pm = partita.parallelize(model, opt, loss_fn=case.loss_fn, init_fn=model._init_weights, **plan_args)
+    losses, initial = _train_hf(pm, opt, model, case, steps)
+    state = named_state(model)
+    cpu_opt = torch.optim.Adam(built.parameters(), lr=1e-3)
+    cpu_pm = partita.parallelize(built, cpu_opt, loss_fn=case.loss_fn, **plan_args)
+    cpu_losses, _ = _train_hf(cpu_pm, cpu_opt, built, case, steps)
+    return {"losses": losses, "cpu_losses": cpu_losses, "held": sorted(initial), "every": sorted(state),
+            "differ": [n for n, t in initial.items() if not torch.equal(t, want[n])],
+            "finite": all(bool(torch.isfinite(state[n]).all()) for n in initial if state[n].is_floating_point())}
+
+
+def _train_hf(pm, opt, model: torch.nn.Module, case: Case, steps: int) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """`steps` steps on batches of 4 rows per rank from generator seed 1: the global losses as float.hex, and
+    the tensors this rank holds as they were before the first step (materialized at the first call)."""
     gen = torch.Generator().manual_seed(1)
     rank, world, rows = partita.get_rank(), partita.get_world_size(), 4
-    losses = []
+    losses, initial = [], {}
     for _ in range(steps):
         args, kwargs, target = case.batch(world * rows, gen)
         mine = slice(rank * rows, (rank + 1) * rows)
         loss = pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine))
         loss.backward()
+        initial = initial or {n: t.detach().clone() for n, t in named_state(model).items() if not t.is_meta}
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()).hex())
-    state = model.state_dict(keep_vars=True)
-    held = sorted(n for n, t in state.items() if not t.is_meta)
-    finite = all(bool(torch.isfinite(state[n]).all()) for n in held if state[n].is_floating_point())
-    return {"losses": losses, "held": held, "every": sorted(state), "finite": finite}
+    return losses, initial
 
 
 @mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})

@@ -4,8 +4,9 @@
   was), keeps the tensors its stages read, on its device, and frees the rest. Rank 0's values go out in
   buckets, so that no rank ever holds a second copy of the model.
 - Built on the meta device (no memory at all): every rank replays rank 0's random stream, as it was when
-  `parallelize` was called, through each module's initialization, so that the values are those the model
-  built on the CPU in one process would have had. A module's tensors exist only while it is initialized;
+  `parallelize` was called, through the initializations building the model ran (a Hugging Face model's as
+  Hugging Face runs them), so that the values are those the model built on the CPU in one process would have
+  had. A tensor exists only while an initialization that touches it runs (its own module's or a parent's);
   what the rank does not keep is dropped at once. The random stream is then put back where it was.
 - With `weights=`: each rank reads only the tensors it keeps from the file; the tensors a file does not hold
   (buffers that are not in a state dict) come from the model as above.
@@ -20,13 +21,17 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from partita.errors import ModelError
 from partita.runtime import agreement
@@ -210,44 +215,35 @@ def _broadcast_kept(places: list[_Place], keep: set[str], device: torch.device) 
 
 
 def _initialize(module: nn.Module, meta: list[_Place], keep: set[str], initial: Initial) -> None:
-    """Give the meta tensors the values building the model on the CPU would have: on rank 0's random stream
-    as it was when parallelize was called, each module's reset_parameters() in module order (parents before
-    children, the order they are built in), then `init_fn` on each module as model.apply(init_fn) runs it
-    (children before parents). A tied weight takes the reset_parameters() of the first module that holds
-    it; the later ones run on scratch copies, as building them did before they were tied.
+    """Give the meta tensors the values building the model on the CPU would have, on rank 0's random stream as
+    it was when parallelize was called, by running the initializations that building it ran, in that order
+    (`_steps`).
 
     Every rank runs every initialization, kept or not, so that its stream stays where rank 0's is, and checks
-    every tensor, so that all raise the same error; a tensor lives only until its last initialization, unless
-    the rank keeps it. Values are computed on the CPU, where the random stream is the same on every machine,
-    and moved to the device afterwards."""
+    every tensor, so that all raise the same error. A tensor the rank does not keep lives only while an
+    initialization that touches it runs: what it draws is the same whatever the tensor held before, and its
+    value is never used. Keeping it from its first initialization to its last would hold the whole model at
+    once: building draws every weight before post_init or model.apply(init_fn) draws them again. Values are
+    computed on the CPU, where the random stream is the same on every machine, and moved to the device
+    afterwards."""
     placed = {id(p.tensor): p for p in meta}
     own = {m: [(attr, t) for attr, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
                if id(t) in placed] for m in module.modules()}
-    to_init = [m for m in own if own[m]]
-    _check_initializable(module, to_init, initial.init_fn)
-    first_holder: dict[int, nn.Module] = {}
-    for m in to_init:
-        for _, t in own[m]:
-            first_holder.setdefault(id(t), m)
-    # (module, its initialization, the tensors whose values it writes)
-    steps = [(m, type(m).reset_parameters, {id(t) for _, t in own[m] if first_holder[id(t)] is m})
-             for m in to_init if callable(getattr(m, "reset_parameters", None))]
-    if initial.init_fn is not None:
-        steps += [(m, initial.init_fn, {id(t) for _, t in own[m]}) for m in reversed(to_init)]
-    last = {i: k for k, (_, _, writes) in enumerate(steps) for i in writes}
-    unset: list[str] = []
+    _check_initializable(module, [m for m in own if own[m]], initial.init_fn)
+    was_set: set[int] = set()  # the tensors dropped with a value some initialization had set
+    others = _OthersMadeReal(meta)
     saved = torch.get_rng_state()
     torch.set_rng_state(_rank0_random_state(initial.random_state))
     try:
-        for k, (m, init, writes) in enumerate(steps):
-            _run_init(m, own[m], placed, init, writes)
-            for p in (placed[i] for i in writes if last[i] == k):
-                if _is_unset(p.value):
-                    unset.append(p.names[0])
+        for step in _steps(module, own, initial.init_fn):
+            for p in _run_init(step, own[step.module], placed, others):
                 if not keep.intersection(p.names):
+                    if not _is_unset(p.value):
+                        was_set.add(id(p.tensor))
                     p.value = None
     finally:
         torch.set_rng_state(saved)
+    unset = [p.names[0] for p in meta if id(p.tensor) not in was_set and (p.value is None or _is_unset(p.value))]
     if unset:
         raise ModelError(f"the model is on the meta device, and nothing initialized {len(unset)} of its tensors: "
                          f"{', '.join(unset[:_SHOWN])}{' ...' if len(unset) > _SHOWN else ''} (no reset_parameters() "
@@ -256,25 +252,149 @@ def _initialize(module: nn.Module, meta: list[_Place], keep: set[str], initial: 
                          "weights=.")
 
 
-def _run_init(m: nn.Module, tensors: list[tuple[str, torch.Tensor]], placed: dict[int, _Place], init: InitFn,
-              writes: set[int]) -> None:
-    """Run `init` on module `m` with its meta tensors made real on the CPU: those it `writes` hold their value
-    so far (first: an unset value, so that a tensor no initialization writes is found), the others scratch."""
+@dataclass(frozen=True)
+class _Step:
+    """One initialization that building the model ran: `init(module)`. It sets the module's own tensors in
+    `writes` (ids; the others it may touch are scratch) and may write tensors of other modules too (a parent's
+    init its children's, as Hugging Face's do)."""
+
+    module: nn.Module
+    init: InitFn
+    writes: frozenset[int]
+
+
+def _steps(module: nn.Module, own: dict[nn.Module, list[tuple[str, torch.Tensor]]],
+           init_fn: InitFn | None) -> list[_Step]:
+    """The initializations building `module` on the CPU ran, in their order.
+
+    Building: each module's reset_parameters() in module order (parents before children, the order they are
+    built in); a module without one is taken to have initialized its tensors in __init__ as `init_fn` does
+    (Hugging Face's Conv1D draws its weight there, as _init_weights does again). A tied weight takes the
+    initialization of the first module that holds it; the later ones run on scratch copies, as building them
+    did before they were tied.
+
+    Then `init_fn` on every module as model.apply(init_fn) runs it (children before parents, in their order),
+    on the model as it is: a tied weight takes the last write. But when `init_fn` is a Hugging Face model's
+    _init_weights, the model is initialized as Hugging Face builds it: each PreTrainedModel, once its
+    submodules are built, runs its own _init_weights on each of its modules that no model nested in it
+    initialized already, children first (post_init, smart_apply), and ties weights only afterwards."""
+    first_holder: dict[int, nn.Module] = {}
+    for m, tensors in own.items():
+        for _, t in tensors:
+            first_holder.setdefault(id(t), m)
+
+    def held_first(m: nn.Module) -> frozenset[int]:
+        return frozenset(id(t) for _, t in own[m] if first_holder[id(t)] is m)
+
+    hugging_face = _hugging_face_model_class(init_fn)
+    steps: list[_Step] = []
+    built: set[nn.Module] = set()
+    initialized: set[nn.Module] = set()
+
+    def build(m: nn.Module, init: InitFn | None) -> None:
+        if m in built:  # a module registered twice was built once
+            return
+        built.add(m)
+        post_init = hugging_face is not None and isinstance(m, hugging_face)
+        if post_init:
+            init = m._init_weights
+        if own[m] and callable(getattr(m, "reset_parameters", None)):
+            steps.append(_Step(m, type(m).reset_parameters, held_first(m)))
+        elif own[m] and init is not None:
+            steps.append(_Step(m, init, held_first(m)))
+        for child in m.children():
+            build(child, init)
+        if post_init:
+            for d in _applied(m):
+                if d not in initialized:
+                    initialized.add(d)
+                    steps.append(_Step(d, m._init_weights, held_first(d)))
+
+    build(module, init_fn)
+    if init_fn is not None and hugging_face is None:
+        steps += [_Step(m, init_fn, frozenset(id(t) for _, t in own[m])) for m in _applied(module)]
+    return steps
+
+
+def _applied(module: nn.Module) -> Iterable[nn.Module]:
+    """The modules in the order module.apply(fn) calls fn on them."""
+    for child in module.children():
+        yield from _applied(child)
+    yield module
+
+
+def _hugging_face_model_class(init_fn: InitFn | None) -> type | None:
+    """transformers' PreTrainedModel when `init_fn` is the _init_weights of one (transformers is imported then)."""
+    owner = getattr(init_fn, "__self__", None)
+    transformers = sys.modules.get("transformers")
+    if owner is None or transformers is None or getattr(init_fn, "__name__", None) != "_init_weights":
+        return None
+    return transformers.PreTrainedModel if isinstance(owner, transformers.PreTrainedModel) else None
+
+
+def _run_init(step: _Step, tensors: list[tuple[str, torch.Tensor]], placed: dict[int, _Place],
+              others: _OthersMadeReal) -> list[_Place]:
+    """Run `step` with its module's meta tensors made real on the CPU: those it writes hold their value so far
+    (first: an unset value, so that a tensor no initialization writes is found), the others scratch; the meta
+    tensors of other modules it touches are made real as it touches them. The places whose values are real
+    now."""
+    m = step.module
+    made_real = {}
     for attr, t in tensors:
-        if id(t) not in writes:
+        if id(t) not in step.writes:
             setattr(m, attr, _like(t, torch.empty(t.shape, dtype=t.dtype)))
             continue
         p = placed[id(t)]
         if p.value is None:
             p.value = _unset(t)
         setattr(m, attr, _like(t, p.value))
-    with torch.no_grad():
-        init(m)
+        made_real[id(t)] = p
+    with torch.no_grad(), others:
+        step.init(m)
     for attr, t in tensors:
-        if id(t) in writes:
+        if id(t) in step.writes:
             # the module may have replaced the tensor instead of writing into it
             placed[id(t)].value = getattr(m, attr).detach()
         setattr(m, attr, t)
+    return [*made_real.values(), *(p for p in others.take_touched() if id(p.tensor) not in made_real)]
+
+
+class _OthersMadeReal(TorchDispatchMode):
+    """While an initialization runs, any meta tensor of the model it touches besides its module's own (a parent's
+    init writing its child's weight) is replaced by its real value on the CPU, a view of it for a view, made
+    when first touched. So an init writes the tensors it writes, as on the CPU, and draws from the random
+    stream as there, yet only the tensors it touches become real: a rank never holds the whole model because a
+    parent's init could write all of it. Tensors are found by their storage, which their views share."""
+
+    def __init__(self, meta: list[_Place]):
+        super().__init__()
+        self._by_storage = {StorageWeakRef(p.tensor.untyped_storage()): p for p in meta}
+        self._touched: dict[int, _Place] = {}
+
+    def take_touched(self) -> list[_Place]:
+        """The places made real since the last call."""
+        touched, self._touched = list(self._touched.values()), {}
+        return touched
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        args, kwargs = pytree.tree_map_only(torch.Tensor, self._real, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def _real(self, t: torch.Tensor) -> torch.Tensor:
+        p = self._by_storage.get(StorageWeakRef(t.untyped_storage())) if t.is_meta else None
+        if p is None:
+            return t
+        if p.value is None:
+            p.value = _unset(p.tensor)
+        self._touched[id(p.tensor)] = p
+        base, value = p.tensor, p.value
+        if (t.shape, t.stride(), t.storage_offset()) == (base.shape, base.stride(), base.storage_offset()):
+            return value
+        if value.stride() != base.stride():
+            raise ModelError(f"an initialization wrote part of '{p.names[0]}' through a view, and its value is laid "
+                             "out unlike the tensor: partita cannot find that part.")
+        return value.as_strided(t.shape, t.stride(), value.storage_offset() + t.storage_offset()
+                                - base.storage_offset())
 
 
 def _unset(t: torch.Tensor) -> torch.Tensor:
