@@ -43,6 +43,13 @@ def test_ranks_disagree_on_batch_size_in_a_pipeline(pools):
     assert "DistributedSampler" in msg and "(stages=1) weighs batches of different sizes" in msg
 
 
+def test_ranks_disagree_under_data_parallel_without_a_loss_to_sum(pools):
+    """The ranks agree on a call while DDP's forward runs; a call with no loss to sum over the ranks waits for
+    that agreement all the same, before its backward's collectives."""
+    msg = errors(pools.run(2, "support.cases:bad_input", "structure_disagrees_data_parallel"), "BatchError")
+    assert "ranks disagree on their inputs" in msg and "True" in msg and "False" in msg
+
+
 def test_sequence_lengths_may_differ_between_ranks_under_data_parallel(pools):
     first, second = pools.run(2, "support.cases:bad_input", "sequence_lengths_differ")
     assert first["error"] is None and first["loss"] == second["loss"]

@@ -600,6 +600,10 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
             pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2)
             pm(x, y).backward()
             pm(x[:, :16] if rank == 1 else x, y)
+        elif scenario == "structure_disagrees_data_parallel":  # the user's loss, no scalar output: no loss sum
+            pm = partita.parallelize(model, stages=1)
+            torch.nn.functional.mse_loss(pm(x), y).backward()
+            pm(x.requires_grad_() if rank == 1 else x)
         elif scenario == "sequence_lengths_differ":  # fine under data parallelism, as with DDP
             seq = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 32))
             pm = partita.parallelize(seq, loss_fn=torch.nn.MSELoss(), stages=1)

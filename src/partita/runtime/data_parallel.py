@@ -26,8 +26,9 @@ class DataParallel(Runtime):
         super().__init__(module, plan, ownership, rank, device)
         self.loss = loss
         self.ddp = module if world_size == 1 else _ddp(module, cap)
-        # the agreement on a call runs during the forward (its loss all-reduce waits for it), unless DDP's
-        # forward has a collective of its own: a rank whose call differs would join another collective first
+        # the ranks agree on a call during its forward, and wait for it before any collective after it (the loss's,
+        # the backward's), unless DDP's forward has a collective of its own: a rank whose call differs would join
+        # another collective first
         self.agrees_before_forward = isinstance(self.ddp, DistributedDataParallel) and self.ddp.broadcast_buffers \
             and any(True for _ in module.buffers())
         # outputs leave in the captured graph's dtypes, as a pipeline's do (precision.py)
@@ -41,12 +42,12 @@ class DataParallel(Runtime):
         else:
             with autocast(self.plan.precision, self.device):
                 out = as_captured(self.ddp(*call.args, **call.kwargs), self.out_dtypes)
+        rows = call.rows
         if self.loss is None:
             result = torch.utils._pytree.tree_map(
-                lambda t: global_loss(t, "mean", call.rows) if isinstance(t, torch.Tensor) and t.dim() == 0 else t,
-                out)
+                lambda t: global_loss(t, "mean", rows) if isinstance(t, torch.Tensor) and t.dim() == 0 else t, out)
         else:
-            result = global_loss(self.loss.fn(out, call.target), self.loss.reduction, call.rows)
+            result = global_loss(self.loss.fn(out, call.target), self.loss.reduction, rows)
         return self.loss_scale.scaling(result) if self.loss_scale is not None else result
 
     def settle_buckets(self, call: Call) -> None:
