@@ -8,6 +8,7 @@ call: agree with the other ranks on what this call is (`runtime.agreement`), the
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from partita.launch import env
 from partita.plan import Constraints, Plan
 from partita.plan.choose import simulate_plan
 from partita.plan.plan import check_sharding
-from partita.planning import Planned, PlanRequest, agreed_plan
+from partita.planning import Planned, PlanRequest, agreed_plan, review_step
 from partita.runtime import agreement
 from partita.runtime.batch import Call, local_rows, loss_of, split_target
 from partita.runtime.build import build_runtime
@@ -32,6 +33,7 @@ from partita.runtime.materialize import Initial, InitFn, check_devices, initial_
 from partita.runtime.optim import optimizer_state_factor
 from partita.runtime.precision import SCALED, check_precision
 from partita.runtime.run import Held, Runtime, in_mode
+from partita.runtime.step_clock import StepClock
 from partita.sim import Trace
 
 log = logging.getLogger("partita")
@@ -51,6 +53,7 @@ class ParallelModule(nn.Module):
         self._runtime: Runtime | None = None
         self._planned: Planned | None = None
         self._graph: ModelGraph | None = None
+        self._clock: StepClock | None = None
         self._input_dtypes: list[InputDtype] = []
         self._parameter_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
 
@@ -76,7 +79,27 @@ class ParallelModule(nn.Module):
                     self._start_agreeing(tensors, target, signature, problem, world.device))
         if self._runtime is None:
             self._setup(call)
-        return self._runtime(call)
+        result = self._runtime(call)
+        self._time_step(call, result)
+        return result
+
+    def _time_step(self, call: Call, result) -> None:
+        """Time the training steps: from this call to the end of its backward or its optimizer's step. Once
+        enough were measured, rank 0 says how they compare with the plan's estimate (`planning.review_step`)."""
+        training = self.module.training and torch.is_grad_enabled()
+        measured_s = self._clock.called(call.rows, training, time.perf_counter())
+        if measured_s is not None and env.world().rank == 0:
+            env.log_to_stderr()
+            log.log(*review_step(self._planned, self._graph, self._request, measured_s))
+        if not training:
+            return
+        ended = next((t for t in torch.utils._pytree.tree_leaves(result)
+                      if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if ended is not None:
+            clock = self._clock
+            # runs as the backward through this output ends (autograd's queued callbacks run last)
+            ended.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: clock.ended(time.perf_counter())))
 
     def _start_agreeing(self, tensors: list[torch.Tensor], target: torch.Tensor | None,
                         signature: CallSignature | None, problem: BatchError | None,
@@ -107,6 +130,10 @@ class ParallelModule(nn.Module):
             env.log_to_stderr()
             log.info("%s", self._planned.plan.explain())
         self._graph = graph
+        self._clock = StepClock(rows)
+        if self._optimizer is not None:
+            clock = self._clock
+            self._optimizer.register_step_post_hook(lambda *_: clock.ended(time.perf_counter()))
         self._runtime = build_runtime(self.module, cap, graph, self._planned.plan, call, loss=self._loss,
                                       optimizer=self._optimizer, rank=world.rank, world_size=world.world_size,
                                       device=world.device, initial=self._initial)

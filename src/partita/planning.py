@@ -6,6 +6,7 @@ are cached), rank 0 plans, and every rank gets the same plan or the same error.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,9 @@ from partita.plan.plan import PRECISION_DTYPES
 from partita.profile import Parallelize, device_spec, measure
 from partita.runtime import agreement
 from partita.runtime.precision import DTYPES
+from partita.runtime.step_clock import MEASURED_STEPS
+
+OFF_BY = 0.15  # a measured step this far from the plan's estimate is reported, and the plan reviewed
 
 
 @dataclass(frozen=True)
@@ -114,3 +118,41 @@ def _make_plan(graph: ModelGraph, global_batch: int, profile: Profile | None, cl
                         f"precision={request.constraints.precision!r}: pass precision={plan.precision!r} with this "
                         "plan, or drop plan=... to let partita plan in the precision you want.")
     return plan.validate(env.world().world_size)
+
+
+def review_step(planned: Planned, graph: ModelGraph, request: PlanRequest, measured_s: float) -> tuple[int, str]:
+    """(log level, message), on rank 0, about a step measured against the plan's estimate. Beyond `OFF_BY`, the
+    planner plans once more, with partita's fixed cost per step refitted so that this plan's estimate is the
+    measured step (everything else as measured before), and says whether another layout would then be faster."""
+    plan = planned.plan
+    estimate_s = plan.estimate.step_s
+    off = measured_s / estimate_s - 1
+    text = (f"a training step takes {_ms(measured_s)} (the median of {MEASURED_STEPS}, from a call of the model to "
+            f"the end of its backward or optimizer step); the plan estimated {_ms(estimate_s)} ({off:+.0%})")
+    if abs(off) <= OFF_BY:
+        return logging.INFO, text
+    if planned.profile is None or planned.cluster is None:
+        return logging.WARNING, (f"{text}. The plan was given, so partita has no measurements to plan again "
+                                 "with; without plan=..., it plans from this job's own.")
+    cluster = planned.cluster.with_step_overhead(not plan.runs_under_ddp, measured_s - estimate_s)
+    again = choose_plan(graph, planned.profile, cluster, global_batch=plan.estimate.global_batch,
+                        optimizer_factor=request.optimizer_factor, constraints=request.constraints)
+    if again.layout == plan.layout:
+        return logging.WARNING, (f"{text}. Planned again with partita's cost per step refitted to the measured "
+                                 "step: this layout stays the fastest.")
+    return logging.WARNING, (
+        f"{text}. Planned again with partita's cost per step refitted to the measured step, another layout is "
+        f"faster: {_choices(again)}, estimated {_ms(again.estimate.step_s)} per step (this one: "
+        f"{_choices(plan)}). This job keeps its layout; to train under the other, pass those to parallelize.")
+
+
+def _choices(plan: Plan) -> str:
+    """The arguments of parallelize that lead to `plan`'s layout."""
+    levels = {s.sharding for s in plan.stages}
+    sharding = f", sharding={levels.pop()!r}" if len(levels) == 1 else ""
+    return (f"stages={plan.num_stages}, micro_batches={plan.micro_batches}, schedule={plan.schedule!r}"
+            f"{sharding}")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"

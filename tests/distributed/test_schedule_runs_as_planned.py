@@ -40,3 +40,12 @@ def test_without_overlap_gradient_sums_start_after_the_pipeline(pools):
     results = pools.run(4, "support.cases:gradient_sums", "1F1B", "loss_fn", 1, "off")
     for r in results:
         assert not r["far"] and r["started_during"] and set(r["started_during"]) == {None}, r
+
+
+def test_rank_0_says_how_the_measured_step_compares_with_the_estimate(pools):
+    """After its warm-up calls, partita times 5 steps and rank 0 says their median against the plan's estimate
+    once (beyond 15 % it plans again: torch/test_step_review.py)."""
+    results = pools.run(2, "support.cases:step_review")
+    (said,) = results[0]["said"]
+    assert "the median of 5" in said and f"the plan estimated {results[0]['estimate_s'] * 1e3:.1f} ms" in said
+    assert results[1]["said"] == []

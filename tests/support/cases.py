@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import io
+import logging
 import math
 import os
 from unittest import mock
@@ -703,3 +704,28 @@ def gradient_sums(schedule: str, style: str, bucket_bytes: int, overlap: str = "
     far = [n for n, p in reference.named_parameters()
            if not torch.allclose(pm.get_param_grad(n), p.grad, rtol=1e-5, atol=1e-7)]
     return {"started_during": pm.runtime.grads.started_during, "held": sorted(pm.plan.stages_of(rank)), "far": far}
+
+
+def step_review(steps: int = 10) -> dict:
+    """Train the MLP for `steps` steps with its optimizer: what partita said about the measured step."""
+    torch.manual_seed(0)
+    case = CASES["mlp"]
+    model = case.make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("partita")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        pm = partita.parallelize(model, opt, loss_fn=case.loss_fn, stages=2, micro_batches=2)
+        args, _, target = case.batch(8, torch.Generator().manual_seed(partita.get_rank()))
+        for _ in range(steps):
+            opt.zero_grad()
+            pm(*args, target).backward()
+            opt.step()
+    finally:
+        logger.removeHandler(handler)
+        logger.level = level
+    return {"said": [s for s in said if "a training step takes" in s], "estimate_s": pm.plan.estimate.step_s}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,14 @@ class Cluster:
     @property
     def action_overhead_s(self) -> float:
         return self.overheads.action_s if self.overheads else self.device.action_overhead_s
+
+    def with_step_overhead(self, pipelined: bool, extra_s: float) -> Cluster:
+        """This cluster with partita's fixed cost per step of the kind (pipelined, or data parallelism under
+        DDP) `extra_s` higher (never below nothing): the constant refitted to a step measured by a job."""
+        base = self.overheads or RuntimeOverheads(self.device.data_parallel_step_overhead_s,
+                                                  self.device.pipeline_step_overhead_s, self.device.action_overhead_s)
+        kind = "pipeline_step_s" if pipelined else "data_parallel_step_s"
+        return replace(self, overheads=replace(base, **{kind: max(0.0, getattr(base, kind) + extra_s)}))
 
     def step_overhead_s(self, pipelined: bool) -> float:
         if self.overheads:

@@ -101,6 +101,20 @@ class Plan:
         return len(self.stages[0].ranks)
 
     @property
+    def runs_under_ddp(self) -> bool:
+        """One stage of replicas and one micro-batch, its parameters whole: torch's DDP runs it (every other
+        plan, partita's pipelined runtime)."""
+        return self.num_stages == 1 and self.micro_batches == 1 and \
+            not any(s.sharding in FSDP_LEVELS for s in self.stages)
+
+    @property
+    def layout(self) -> tuple:
+        """What the planner decides, without its estimates: stages, blocks, ranks, schedule, micro-batches,
+        recomputation and sharding."""
+        return (self.micro_batches, self.schedule, self.precision,
+                tuple((s.blocks, s.ranks, s.recompute, s.sharding) for s in self.stages))
+
+    @property
     def pipeline_size(self) -> int:
         """Ranks in one pipeline replica."""
         return len(self.replica_ranks(0))

@@ -43,8 +43,7 @@ def build_runtime(module: nn.Module, cap: CapturedGraph, graph: ModelGraph, plan
     """Collective: every rank calls it with the same plan, at its first call (`first_call`)."""
     owners = ownership(module, cap, graph, plan)
     fsdp = any(s.sharding in FSDP_LEVELS for s in plan.stages)
-    # one stage of replicas runs under torch's DDP, unless FSDP shards it
-    data_parallel = plan.num_stages == 1 and plan.micro_batches == 1 and not fsdp
+    data_parallel = plan.runs_under_ddp
     # torch's DDP wants every parameter on every rank
     keep = set(named_state(module)) if data_parallel else owners.kept_by(rank, module)
     materialize(module, optimizer, keep, device=device, initial=initial)
