@@ -94,15 +94,18 @@ def test_search_agrees_with_brute_force(seed):
 def test_looped_layouts_agree_with_brute_force_on_three_ranks_per_pipeline(seed):
     """Looped layouts are searched rank by rank (both stages of a rank at once): with 6 ranks and up to 9
     blocks, pipelines of 3 ranks run 6 stages."""
-    rng = random.Random(100 + seed)
-    checked = 0
-    for _ in range(6):
-        graph, profile, cluster, batch, factor = instance(rng, blocks=(6, 9), worlds=(6,))
-        for layout in layouts(graph, cluster, batch, Constraints()):
-            if layout.num_stages < 4 or layout.schedule not in ("Interleaved1F1B", "LoopedBFS"):
-                continue
-            checked += searched_as_brute_force(CostModel(graph, profile, cluster, factor, layout))
+    checked = sum(map(searched_as_brute_force, looped_models(random.Random(100 + seed), 6, (6, 9))))
     assert checked >= 2
+
+
+def looped_models(rng, count, blocks):
+    """The cost models of the looped layouts with pipelines of 2 or 3 ranks of `count` random instances on 6
+    ranks."""
+    for _ in range(count):
+        graph, profile, cluster, batch, factor = instance(rng, blocks=blocks, worlds=(6,))
+        for layout in layouts(graph, cluster, batch, Constraints()):
+            if layout.num_stages >= 4 and layout.schedule in ("Interleaved1F1B", "LoopedBFS"):
+                yield CostModel(graph, profile, cluster, factor, layout)
 
 
 def test_looped_layouts_agree_with_brute_force_on_four_ranks_per_pipeline():
@@ -288,3 +291,31 @@ def test_representative_instances_are_searched_to_the_end(case, world, schedule)
                     constraints=Constraints(schedule=schedule))
     assert result.best is not None and result.proven_optimal, (result.nodes, result.layouts_searched)
     assert result.lower_bound_s == result.best.step_s
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_rank_by_rank_bounds_never_exceed_a_completions_makespan(seed):
+    """Every state of the rank-by-rank search of a looped layout bounds the makespan of every completion of
+    it: walking each split's ranks in order, each state's bound is at most that split's simulated makespan
+    (the later ranks' bound counts each starting a first-loop stage after the one before it)."""
+    checked = 0
+    for model in looped_models(random.Random(700 + seed), 4, (6, 8)):
+        partitions = PartitionSearch(model)
+        p, n = model.layout.pipeline_size, model.num_blocks
+        for cuts in itertools.combinations(range(1, n), 2 * p - 1):
+            ranges = list(zip((0,) + cuts, cuts + (n,)))
+            costs = [model.stage(stage, a, b) for stage, (a, b) in enumerate(ranges)]
+            if None in costs:
+                continue
+            state, made = partitions._pair_root(), []
+            for r in range(p):
+                state = partitions._pair_child(r, ranges[r][1], ranges[r + p][1], ranges[p][0], state, costs[r],
+                                               costs[r + p])
+                if state is None:
+                    break  # memory: no completion of this split fits
+                made.append(state.bound)
+            if state is not None:
+                found = evaluate(model, ranges, [c.recompute for c in costs])
+                assert max(made) <= found.trace.makespan_s * (1 + 1e-12), (model.layout, cuts)
+                checked += 1
+    assert checked > 50

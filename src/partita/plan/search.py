@@ -497,12 +497,16 @@ class PartitionSearch:
         p = lay.pipeline_size
         prefix = self._work_prefix
         splits = sorted(range(p, n - p + 1), key=lambda x: (abs(2 * prefix[x] - prefix[n]), x))
-        root = _Pairs(stages=(None,) * lay.num_stages, tails=(self.model.step_overhead_s,) * p)
+        root = self._pair_root()
         for x in splits:
             if self._split_bound(x) < self.cutoff:
                 self._pair(0, 0, x, x, root)
             if not self.complete:
                 return
+
+    def _pair_root(self) -> "_Pairs":
+        lay = self.model.layout
+        return _Pairs(stages=(None,) * lay.num_stages, tails=(self.model.step_overhead_s,) * lay.pipeline_size)
 
     def _split_bound(self, x: int) -> float:
         """A lower bound of the step of every plan whose second loop starts at block x (inf: none fits)."""
@@ -734,7 +738,10 @@ class PartitionSearch:
             return None
         fwd_u, bwd_u, _, _ = ends
         later = state.fwd1 + state.bwd1 + first.work_s + 2 * first.send_fwd_s  # where the next rank starts
-        return max(later + m * (rest.work(e, left, x) + rest.work(g, left) + forced) / left,
+        # and each one after it a first-loop stage later, of a block of [e, x) at least
+        stage_least = rest.least_fwd(e, x) + rest.least_bwd(e, x)
+        return max(water_level([later + j * stage_least for j in range(left)],
+                               m * (rest.work(e, left, x) + rest.work(g, left) + forced)),
                    later + rest.chain(e, left, x),
                    fwd_u + bwd_u + second.work_s + 2 * second.send_fwd_s + rest.chain(g, left))
 
