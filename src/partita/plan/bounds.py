@@ -8,7 +8,8 @@ checked against brute force and the simulator in tests/unit/test_search.py):
 - A stage's first action waits for micro-batch 0 to come through the stages before it, and after its last
   action the gradient still goes back through them. So the makespan is at least prefix_s + M w_s for every
   stage s (w: forward + backward per micro-batch; prefix: w and transfers of the stages before it), and
-  prefix_r + M (the w of all its stages) for every rank r, from its first stage. Zero-bubble schedules end
+  prefix_r + M (the w of all its stages) for every rank r, from its first stage (whose prefix holds a block
+  per stage before it, at least: the smallest ones, or the least of the blocks left). Zero-bubble schedules end
   with weight gradients (W), which send nothing back: for them only the way down counts.
 - A rank's first backward waits for its warm-up forwards and for micro-batch 0's round trip through the
   later stages; everything else the rank runs comes after it.
@@ -76,6 +77,10 @@ class Remainder:
         self._min_bwd = _RangeBest(block_bwd_traffic, min)
         self._send = _suffix_min(self._cut_send_floor())
         self._stretch = stretch
+        # the blocks' forward + backward, least first, summed: what the first k stages take at least
+        self._smallest_work = [0.0]
+        for work in sorted(f + b for f, b in zip(block_fwd, block_bwd)):
+            self._smallest_work.append(self._smallest_work[-1] + work)
 
     def _cut_send_floor(self) -> list[float]:
         """Per cut c (after block c-1, 1 <= c < n; index 0 and n unused): the least transfer across it."""
@@ -131,6 +136,11 @@ class Remainder:
         """The least backward of any one stage of blocks in [start, stop): its smallest block's, with the
         gradient traffic of that block's parameters (the stage uses them all)."""
         return self._min_bwd(start, stop) + self.model.action_s
+
+    def least_stages_work(self, stages: int) -> float:
+        """The least forward + backward (per micro-batch) of any `stages` stages of the model: each holds a block
+        at least, so together at least the `stages` smallest blocks."""
+        return self._smallest_work[stages] + 2 * stages * self.model.action_s
 
     def _least_window(self, start: int, stop: int, stages: int, backward: bool) -> float:
         key = (start, stop, stages, backward)
@@ -259,6 +269,10 @@ def layout_bound(model: CostModel, refined: bool = False) -> float:
     makespan = m * work / p
     if gradients_return(lay.schedule):
         makespan = max(makespan, work if m == 1 else work / (1.0 - ((m - 1) / m) ** s))
+        # rank r starts after micro-batch 0 went through the stages before its first one, k_r of them, and
+        # runs its M (forward + backward) from there: at least k_r blocks' work, then its share of M x work
+        firsts = [position.index(r) for r in range(p)]
+        makespan = max(makespan, water_level([rest.least_stages_work(k) for k in firsts], m * work))
     if lay.schedule in ("GPipe", "LoopedBFS"):
         makespan = max(makespan, gpipe(rest.fwd(0, s) + rest.bwd(0, s) + forced + 2 * rest.sends(0, s), m,
                                        rest.max_fwd(0, s), max(rest.max_bwd(0, s), (rest.bwd(0, s) + forced) / s)))

@@ -8,9 +8,10 @@ simulator predicts (pipeline makespan + gradient all-reduce + optimizer step), s
 memory.
 
 Exact within that space, by branch and bound. Layouts are visited in order of a lower bound on their step
-time; in a layout, stage boundaries are chosen stage by stage, depth first, and a branch is cut as soon as a
-lower bound on every completion's simulated step reaches the best step found (`plan.bounds` says why the
-bounds hold: cutting never loses the optimum). Looped layouts go rank by rank instead: where the second loop
+time, in two rounds: each with a small budget first (good plans found anywhere early cut every layout's
+search), then those not finished with the full one. In a layout, stage boundaries are chosen stage by
+stage, depth first, and a branch is cut as soon as a lower bound on every completion's simulated step
+reaches the best step found (`plan.bounds` says why the bounds hold: cutting never loses the optimum). Looped layouts go rank by rank instead: where the second loop
 starts, then both stages of rank 0, of rank 1, ... (a rank's two stages share its memory and its time); from
 the second rank on, the ranks chosen are also simulated with the others at their least. Two plans closer
 than PRUNE_TOLERANCE count as equally fast, so that float rounding between a bound and the simulator cannot
@@ -45,6 +46,7 @@ SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 # bench/search_time.py shows what instances need.
 NODE_BUDGET = 10_000
 SEARCH_BUDGET = 25_000
+PROBE_BUDGET = 500  # nodes per layout in the first round (see `search`)
 ACTIONS_PER_NODE = 100  # a node costs about as much Python as simulating this many actions
 PRUNE_TOLERANCE = 1e-9  # relative: a plan this much faster than the best found does not count as faster
 
@@ -123,34 +125,44 @@ def search(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global_batc
         if bound == math.inf:
             result.rejected.append((models[i].layout, _too_big(models[i])))
     best_s = _first_plans(result, models, bounded, constraints.recompute, faster_than_s)
-    for bound, i in bounded:
-        if bound >= best_s * (1 - PRUNE_TOLERANCE):
-            result.lower_bound_s = min(result.lower_bound_s, bound)
-            continue
-        model = models[i]
-        refined = layout_bound(model, refined=True)
-        if refined >= best_s * (1 - PRUNE_TOLERANCE):
-            result.lower_bound_s = min(result.lower_bound_s, refined)
-            if refined == math.inf:
-                result.rejected.append((model.layout, _too_big(model)))
-            continue
-        budget = min(node_budget, search_budget - result.nodes)
-        if budget <= 0:
-            result.proven_optimal = False
-            result.lower_bound_s = min(result.lower_bound_s, bound)
-            continue
-        partitions = PartitionSearch(model, best_s, constraints.recompute, budget)
-        found = partitions.run()
-        result.layouts_searched += 1
-        result.nodes += partitions.nodes
-        result.simulations += partitions.simulations
-        if not partitions.complete:
-            result.proven_optimal = False
-            result.lower_bound_s = min(result.lower_bound_s, bound)
-        if found is not None and found.step_s < best_s:
-            best_s, result.best = found.step_s, found
-        elif found is None and partitions.complete and partitions.infeasible_reason:
-            result.rejected.append((model.layout, partitions.infeasible_reason))
+    # two rounds: first every promising layout with a small budget, which finishes the easy ones and finds good
+    # plans in the others (a layout's first plans are near its balanced boundaries, often far from its best);
+    # then the layouts left, with the full budget and the best step of all of them to cut with
+    refined: dict[int, float] = {}
+    unfinished: list[tuple[float, int]] = []  # filled by the first round
+    for round_budget, round_layouts in ((PROBE_BUDGET, bounded), (node_budget, unfinished)):
+        for bound, i in round_layouts:
+            model = models[i]
+            if bound >= best_s * (1 - PRUNE_TOLERANCE):
+                result.lower_bound_s = min(result.lower_bound_s, bound)
+                continue
+            if i not in refined:
+                refined[i] = layout_bound(model, refined=True)
+                if refined[i] == math.inf:
+                    result.rejected.append((model.layout, _too_big(model)))
+            if refined[i] >= best_s * (1 - PRUNE_TOLERANCE):
+                result.lower_bound_s = min(result.lower_bound_s, refined[i])
+                continue
+            budget = min(round_budget, search_budget - result.nodes)
+            if budget <= 0:
+                result.proven_optimal = False
+                result.lower_bound_s = min(result.lower_bound_s, bound)
+                continue
+            partitions = PartitionSearch(model, best_s, constraints.recompute, budget)
+            found = partitions.run()
+            result.nodes += partitions.nodes
+            result.simulations += partitions.simulations
+            if found is not None and found.step_s < best_s:
+                best_s, result.best = found.step_s, found
+            if not partitions.complete:
+                if round_layouts is bounded:
+                    unfinished.append((bound, i))
+                    continue
+                result.proven_optimal = False
+                result.lower_bound_s = min(result.lower_bound_s, bound)
+            result.layouts_searched += 1
+            if found is None and partitions.complete and partitions.infeasible_reason:
+                result.rejected.append((model.layout, partitions.infeasible_reason))
     if result.best is not None:
         result.lower_bound_s = min(result.lower_bound_s, result.best.step_s)
     return result
@@ -485,12 +497,16 @@ class PartitionSearch:
         p = lay.pipeline_size
         prefix = self._work_prefix
         splits = sorted(range(p, n - p + 1), key=lambda x: (abs(2 * prefix[x] - prefix[n]), x))
-        root = _Pairs(stages=(None,) * lay.num_stages, tails=(self.model.step_overhead_s,) * p)
+        root = self._pair_root()
         for x in splits:
             if self._split_bound(x) < self.cutoff:
                 self._pair(0, 0, x, x, root)
             if not self.complete:
                 return
+
+    def _pair_root(self) -> "_Pairs":
+        lay = self.model.layout
+        return _Pairs(stages=(None,) * lay.num_stages, tails=(self.model.step_overhead_s,) * lay.pipeline_size)
 
     def _split_bound(self, x: int) -> float:
         """A lower bound of the step of every plan whose second loop starts at block x (inf: none fits)."""
@@ -722,7 +738,10 @@ class PartitionSearch:
             return None
         fwd_u, bwd_u, _, _ = ends
         later = state.fwd1 + state.bwd1 + first.work_s + 2 * first.send_fwd_s  # where the next rank starts
-        return max(later + m * (rest.work(e, left, x) + rest.work(g, left) + forced) / left,
+        # and each one after it a first-loop stage later, of a block of [e, x) at least
+        stage_least = rest.least_fwd(e, x) + rest.least_bwd(e, x)
+        return max(water_level([later + j * stage_least for j in range(left)],
+                               m * (rest.work(e, left, x) + rest.work(g, left) + forced)),
                    later + rest.chain(e, left, x),
                    fwd_u + bwd_u + second.work_s + 2 * second.send_fwd_s + rest.chain(g, left))
 
