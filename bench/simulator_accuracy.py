@@ -75,7 +75,7 @@ def worker(out: str, steps: int, configs: list) -> None:
     if w.rank == 0:
         results = []
         for config, (pm, _), seconds in zip(configs, built, measured):
-            profile, cluster = pm._costs
+            profile, cluster = pm.planned.profile, pm.planned.cluster
             results.append({"config": config, "predicted": pm.plan.estimate.step_s,
                             "measured": seconds, "plan": pm.plan.explain().splitlines()[0],
                             "overheads": asdict(cluster.overheads), "stream_bps": profile.param_stream_bps,

@@ -63,6 +63,11 @@ class ParallelModule(nn.Module):
         return self._runtime.plan if self._runtime is not None else None
 
     @property
+    def planned(self) -> Planned | None:
+        """The plan with, on rank 0, the block costs and cluster it was made from (None until the first call)."""
+        return self._planned
+
+    @property
     def runtime(self) -> Runtime | None:
         """This rank's part of the model (None until the first call)."""
         return self._runtime
