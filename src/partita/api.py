@@ -73,6 +73,7 @@ class ParallelModule(nn.Module):
         return self._runtime
 
     def forward(self, *args, **kwargs):
+        called_s = time.perf_counter()
         world = env.init()
         args, target, problem = split_target(args, kwargs, with_loss=self._loss is not None)
         tensors, signature = [], None
@@ -85,14 +86,14 @@ class ParallelModule(nn.Module):
         if self._runtime is None:
             self._setup(call)
         result = self._runtime(call)
-        self._time_step(call, result)
+        self._time_step(call, result, called_s)
         return result
 
-    def _time_step(self, call: Call, result) -> None:
+    def _time_step(self, call: Call, result, called_s: float) -> None:
         """Time the training steps: from this call to the end of its backward or its optimizer's step. Once
         enough were measured, rank 0 says how they compare with the plan's estimate (`planning.review_step`)."""
         training = self.module.training and torch.is_grad_enabled()
-        measured_s = self._clock.called(call.rows, training, time.perf_counter())
+        measured_s = self._clock.called(call.rows, training, called_s)
         if measured_s is not None and env.world().rank == 0:
             env.log_to_stderr()
             log.log(*review_step(self._planned, self._graph, self._request, measured_s))

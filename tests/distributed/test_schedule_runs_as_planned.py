@@ -3,6 +3,8 @@ are, in order, those the planner's simulator used for the plan's estimate, for e
 styles (partita computes the loss with torch's schedule classes, or the user's code computes it and partita
 runs the order itself)."""
 
+import re
+
 import pytest
 
 from partita.schedule.catalog import FORWARDS_FIRST_SCHEDULES, SCHEDULES, stages_per_rank
@@ -49,3 +51,7 @@ def test_rank_0_says_how_the_measured_step_compares_with_the_estimate(pools):
     (said,) = results[0]["said"]
     assert "the median of 5" in said and f"the plan estimated {results[0]['estimate_s'] * 1e3:.1f} ms" in said
     assert results[1]["said"] == []
+    # what the caller's own clock saw around the same steps (zero_grad, the call, backward, step)
+    measured_s = float(re.search(r"takes ([0-9.]+) ms", said)[1]) / 1e3
+    walls = sorted(results[0]["walls_s"][3:])
+    assert walls[0] * 0.5 <= measured_s <= walls[-1] * 1.05, (measured_s, walls)

@@ -14,6 +14,7 @@ import io
 import logging
 import math
 import os
+import time
 from unittest import mock
 
 import torch
@@ -721,11 +722,15 @@ def step_review(steps: int = 10) -> dict:
     try:
         pm = partita.parallelize(model, opt, loss_fn=case.loss_fn, stages=2, micro_batches=2)
         args, _, target = case.batch(8, torch.Generator().manual_seed(partita.get_rank()))
+        walls = []
         for _ in range(steps):
+            start = time.perf_counter()
             opt.zero_grad()
             pm(*args, target).backward()
             opt.step()
+            walls.append(time.perf_counter() - start)
     finally:
         logger.removeHandler(handler)
         logger.level = level
-    return {"said": [s for s in said if "a training step takes" in s], "estimate_s": pm.plan.estimate.step_s}
+    return {"said": [s for s in said if "a training step takes" in s], "estimate_s": pm.plan.estimate.step_s,
+            "walls_s": walls}
