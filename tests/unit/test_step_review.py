@@ -5,7 +5,7 @@ import logging
 
 from partita.plan import Constraints, choose_plan
 from partita.planning import Planned, PlanRequest, review_step
-from unit.test_sharding_prices import cluster, graph_of
+from test_sharding_prices import cluster, graph_of
 
 
 def test_a_step_near_its_estimate_is_said_and_one_far_from_it_reviews_the_plan():
