@@ -8,6 +8,7 @@ import re
 import pytest
 
 from partita.cluster import Cluster, DeviceSpec, Link
+from partita.cluster.cluster import RuntimeOverheads
 from partita.errors import PlanError
 from partita.graph import Block, BlockCost, Fit, ModelGraph, Profile
 from partita.plan import Constraints, choose_plan
@@ -240,3 +241,15 @@ def test_measured_collectives_price_fsdp_and_data_parallelism_chooses_ddp_where_
     plan = choose_plan(graph, profile, measured, global_batch=16, optimizer_factor=1,
                        constraints=Constraints(stages=1, micro_batches=1))
     assert plan.stages[0].sharding == "none"
+
+
+def test_fsdp_collectives_cost_the_measured_interference_as_ddp_all_reduce_does():
+    """They run while the units compute; on cores the ranks share both slow down (runtime overheads)."""
+    graph, profile = graph_of([8, 16, 4, 4])
+    alone = cluster(8, 10**4)
+    shared = dataclasses.replace(alone, overheads=RuntimeOverheads(0.0, 0.0, 0.0, 0.0, 1.5))
+    layout = Layout("1F1B", 2, 2, 4, 4, 2)
+    for level in ("gradients", "parameters"):
+        a, b = (CostModel(graph, profile, c, 2, layout).priced(0, 0, 2, False, level) for c in (alone, shared))
+        assert b.collective_s == pytest.approx(2.5 * a.collective_s) and a.collective_s > 0
+        assert b.gather_s == pytest.approx(2.5 * a.gather_s)
