@@ -97,7 +97,7 @@ class ParallelModule(nn.Module):
         if measured_s is not None and env.world().rank == 0:
             env.log_to_stderr()
             log.log(*review_step(self._planned, self._graph, self._request, measured_s))
-        if not training:
+        if not training or self._clock.done:
             return
         ended = next((t for t in torch.utils._pytree.tree_leaves(result)
                       if isinstance(t, torch.Tensor) and t.requires_grad), None)

@@ -22,6 +22,7 @@ from partita.graph import ModelGraph, Profile
 from partita.graph.profile import roofline_profile
 from partita.launch import env
 from partita.plan import Constraints, Plan, choose_plan
+from partita.plan.explain import seconds
 from partita.plan.plan import PRECISION_DTYPES
 from partita.profile import Parallelize, device_spec, measure
 from partita.runtime import agreement
@@ -127,8 +128,8 @@ def review_step(planned: Planned, graph: ModelGraph, request: PlanRequest, measu
     plan = planned.plan
     estimate_s = plan.estimate.step_s
     off = measured_s / estimate_s - 1
-    text = (f"a training step takes {_ms(measured_s)} (the median of {MEASURED_STEPS}, from a call of the model to "
-            f"the end of its backward or optimizer step); the plan estimated {_ms(estimate_s)} ({off:+.0%})")
+    text = (f"a training step takes {seconds(measured_s)} (the median of {MEASURED_STEPS}, from a call of the model to "
+            f"the end of its backward or optimizer step); the plan estimated {seconds(estimate_s)} ({off:+.0%})")
     if abs(off) <= OFF_BY:
         return logging.INFO, text
     if planned.profile is None or planned.cluster is None:
@@ -142,7 +143,7 @@ def review_step(planned: Planned, graph: ModelGraph, request: PlanRequest, measu
                                  "step: this layout stays the fastest.")
     return logging.WARNING, (
         f"{text}. Planned again with partita's cost per step refitted to the measured step, another layout is "
-        f"faster: {_choices(again)}, estimated {_ms(again.estimate.step_s)} per step (this one: "
+        f"faster: {_choices(again)}, estimated {seconds(again.estimate.step_s)} per step (this one: "
         f"{_choices(plan)}). This job keeps its layout; to train under the other, pass those to parallelize.")
 
 
@@ -152,7 +153,3 @@ def _choices(plan: Plan) -> str:
     sharding = f", sharding={levels.pop()!r}" if len(levels) == 1 else ""
     return (f"stages={plan.num_stages}, micro_batches={plan.micro_batches}, schedule={plan.schedule!r}"
             f"{sharding}")
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms"

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from partita.plan.explain import seconds
 from partita.schedule.catalog import FORWARDS_FIRST_SCHEDULES, SCHEDULES, stages_per_rank
 
 RUNS = [(schedule, "loss_fn") for schedule in SCHEDULES] + [(s, "outputs") for s in FORWARDS_FIRST_SCHEDULES]
@@ -49,7 +50,7 @@ def test_rank_0_says_how_the_measured_step_compares_with_the_estimate(pools):
     once (beyond 15 % it plans again: torch/test_step_review.py)."""
     results = pools.run(2, "support.cases:step_review")
     (said,) = results[0]["said"]
-    assert "the median of 5" in said and f"the plan estimated {results[0]['estimate_s'] * 1e3:.1f} ms" in said
+    assert "the median of 5" in said and f"the plan estimated {seconds(results[0]['estimate_s'])}" in said
     assert results[1]["said"] == []
     # what the caller's own clock saw around the same steps (zero_grad, the call, backward, step)
     measured_s = float(re.search(r"takes ([0-9.]+) ms", said)[1]) / 1e3

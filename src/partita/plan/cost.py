@@ -386,14 +386,18 @@ class CostModel:
             return exposed + cost.optimizer_s + cost.gather_s
         return exposed + cost.apply_gradients_s + cost.optimizer_s + cost.gather_s
 
+    @property
+    def bucket_bytes(self) -> int:
+        """The gradient bucket the layout's runtime sums at once: partita's under a pipeline, DDP's otherwise."""
+        return GRAD_BUCKET_BYTES if self.pipelined else DDP_BUCKET_BYTES
+
     def exposed_allreduce_s(self, allreduce_s: float, last_backward_s: float, param_bytes: float) -> float:
         """The part of a stage's gradient all-reduce that outlasts its last backward. DDP's buckets and
         partita's (runtime.grads) start as the backward finishes their gradients, so only what outlasts that
         backward shows, and at least the last bucket's sum; it costs more where the sums and the backward
         compete for the same cores (the measured interference). `last_backward_s`: one micro-batch's
         backward under a pipeline, the whole batch's under DDP."""
-        bucket_bytes = GRAD_BUCKET_BYTES if self.pipelined else DDP_BUCKET_BYTES
-        exposed = max(allreduce_s - last_backward_s, allreduce_s * min(1.0, bucket_bytes / max(param_bytes, 1)))
+        exposed = max(allreduce_s - last_backward_s, allreduce_s * min(1.0, self.bucket_bytes / max(param_bytes, 1)))
         return exposed * (1.0 + self.cluster.allreduce_interference)
 
     def gradient_traffic_s(self, param_bytes: float) -> float:
@@ -431,7 +435,7 @@ class CostModel:
         bounds: sharing no parameter with another stage is cheapest). Of the all-reduce it counts the volume
         term of at most one bucket, which no backward hides (`exposed_allreduce_s`): a bound that grows with
         the bytes and is no more for a sum than for its parts, as the bounds need."""
-        bucket = GRAD_BUCKET_BYTES if self.pipelined else DDP_BUCKET_BYTES
+        bucket = self.bucket_bytes
         tails = []
         for s in self.replica_group_stages:
             ranks = self.ranks[s]
@@ -447,8 +451,9 @@ class CostModel:
     def least_per_step_s_per_byte(self) -> float:
         """The least seconds per byte of its parameters that a stage's sharding costs it per step, over the
         levels and replica groups: its micro-batches' collectives and its tail, less the all-reduce (the
-        backward may hide all of it but a bucket: `exposed_allreduce_s`). Each of those is a latency plus bytes times a rate, so every stage's cost is at least
-        this times its bytes (for bounds; a parameter kept whole costs at least "none"'s rate)."""
+        backward may hide all of it but a bucket: `exposed_allreduce_s`). Each of those is a latency plus bytes
+        times a rate, so every stage's cost is at least this times its bytes (for bounds; a parameter kept whole
+        costs at least "none"'s rate)."""
         big = float(2**40)
 
         def cost_s(stage: int, sharding: str, nbytes: float) -> float:

@@ -166,8 +166,9 @@ def _links(job: _Job, memory_per_rank: int, parallelize: Parallelize) -> dict:
     """The links between ranks and partita's own costs, as cached (JSON-ready). Collective."""
     started = time.perf_counter()
     if job.say and job.world > 1:
-        log.info("timing messages between the %d ranks (point-to-point, all-reduce, reduce-scatter and all-gather, %s to %s), then "
-                 "partita's own costs per step (a small probe model trained %d steps under each of a few plans)",
+        log.info("timing messages between the %d ranks (point-to-point, all-reduce, reduce-scatter and all-gather, "
+                 "%s to %s), then partita's own costs per step (a small probe model trained %d steps under each of "
+                 "a few plans)",
                  job.world, size(min(SIZES_BYTES)), size(max(SIZES_BYTES)), PROBE_STEPS)
     measured = {"p2p": measure_p2p(job.device), "allreduce": measure_allreduce(job.device),
                 "reduce_scatter": measure_reduce_scatter(job.device), "allgather": measure_allgather(job.device)}

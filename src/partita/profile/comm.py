@@ -2,7 +2,8 @@
 latency + bytes/bandwidth.
 
 Point-to-point: a ping-pong between ranks 0 and 1 (every other rank waits at a barrier); all-reduce,
-reduce-scatter and all-gather: over all ranks. Each is timed at a few sizes and fitted by least squares (the alpha-beta model).
+reduce-scatter and all-gather: over all ranks. Each is timed at a few sizes and fitted by least squares (the
+alpha-beta model).
 """
 
 from __future__ import annotations

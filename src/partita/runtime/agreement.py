@@ -116,9 +116,10 @@ class Agreement:
     the rank may compute, but must not join another collective: a rank whose statement differs joins the
     exchange of every statement next."""
 
-    def __init__(self, what: str, problem: BaseException | None, rows: int, posted: _Posted | None):
+    def __init__(self, what: str, problem: BaseException | None, rows: int, posted: _Posted | None,
+                 counted: bool = False):
         self.what, self.problem, self.posted = what, problem, posted
-        self.counted = False  # a call of a parallelized model, counted in `_calls` once agreed
+        self.counted = counted  # a call of a parallelized model, counted in `_calls` once agreed
         self._rows = (rows,) if posted is None else None
 
     def rows(self) -> tuple[int, ...]:
@@ -146,16 +147,19 @@ class Agreement:
         return tuple(s.rows for s in said)
 
 
-def start_agreeing(description: str, what: str, problem: BaseException | None = None, rows: int = 0) -> Agreement:
-    """Post this rank's statement (see `agree`); a rank with a `problem` waits for the others at once."""
+def start_agreeing(description: str, what: str, problem: BaseException | None = None, rows: int = 0,
+                   counted: bool = False) -> Agreement:
+    """Post this rank's statement (see `agree`); a rank with a `problem` waits for the others at once.
+    `counted`: a call of a parallelized model (`Agreement.counted`)."""
     if _single():
         if problem is not None:
             raise as_partita(problem) from problem
         return Agreement(what, None, rows, None)
     if problem is None:
-        return Agreement(what, None, rows, _post(State.CALLING, rows, description))
+        return Agreement(what, None, rows, _post(State.CALLING, rows, description), counted)
     failed = RankError.of(dist.get_rank(), problem)
-    agreement = Agreement(what, problem, rows, _post(State.FAILING, rows, f"{failed.kind}: {failed.message}", failed))
+    agreement = Agreement(what, problem, rows, _post(State.FAILING, rows, f"{failed.kind}: {failed.message}", failed),
+                          counted)
     agreement.rows()  # raises this rank's problem, as every rank does
     return agreement
 
@@ -175,9 +179,7 @@ def describe_call(tensors: list[torch.Tensor], target: torch.Tensor | None, sign
 
 def start_call(description: str, rows: int, problem: BaseException | None = None) -> Agreement:
     """`start_agreeing` at the start of a call of a parallelized model, counted once agreed."""
-    agreement = start_agreeing(description, "their inputs", problem, rows)
-    agreement.counted = True
-    return agreement
+    return start_agreeing(description, "their inputs", problem, rows, counted=True)
 
 
 @contextlib.contextmanager
