@@ -718,7 +718,8 @@ def step_review(steps: int = 10) -> dict:
     handler.emit = lambda record: said.append(record.getMessage())
     logger = logging.getLogger("partita")
     logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
+    level = logger.level
+    logger.setLevel(logging.INFO)  # clears the loggers' cached levels, which assigning `level` would not
     try:
         pm = partita.parallelize(model, opt, loss_fn=case.loss_fn, stages=2, micro_batches=2)
         args, _, target = case.batch(8, torch.Generator().manual_seed(partita.get_rank()))
@@ -731,6 +732,6 @@ def step_review(steps: int = 10) -> dict:
             walls.append(time.perf_counter() - start)
     finally:
         logger.removeHandler(handler)
-        logger.level = level
+        logger.setLevel(level)
     return {"said": [s for s in said if "a training step takes" in s], "estimate_s": pm.plan.estimate.step_s,
             "walls_s": walls}
