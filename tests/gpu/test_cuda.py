@@ -104,6 +104,39 @@ def test_measuring_runs_on_the_gpu():
     assert torch.cuda.memory_reserved(device) > 0  # measuring's blocks, cached, and not counted above
 
 
+def test_host_tensors_reach_the_gpu_through_pinned_memory(monkeypatch, tmp_path):
+    """Copies run asynchronously from pinned memory and land whole, also when the pinned memory in flight is
+    waited for along the way; a model's weights read from disk reach the GPU the same way."""
+    from partita.runtime import host_copies
+    from partita.runtime.route import TensorSpec, pack, unpack
+
+    monkeypatch.setattr(host_copies, "IN_FLIGHT_BYTES", 2**20)
+    device = partita.init().device
+    copies = host_copies.HostCopies(device)
+    sources = [torch.randn(512, 256, generator=torch.Generator().manual_seed(i)) for i in range(12)]  # 512 KiB each
+    assert all(copies.pinned(t) for t in sources)
+    landed = [copies.to(t, torch.bfloat16 if i % 2 else None) for i, t in enumerate(sources)]
+    assert 0 < copies.in_flight_bytes <= 2**20 + sources[0].numel() * 4
+    copies.finish()
+    assert copies.in_flight_bytes == 0
+    for i, (t, d) in enumerate(zip(sources, landed)):
+        assert d.device.type == "cuda" and torch.equal(d.cpu(), t.to(d.dtype)), i
+    packed = pack(sources[:3], device)  # how rank 0 sends a CPU model's weights
+    assert packed.device.type == "cuda"
+    views = unpack(packed, [TensorSpec.of(t) for t in sources[:3]])
+    assert all(torch.equal(v.cpu(), t) for v, t in zip(views, sources[:3]))
+    net = _net()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(-2)  # values the model built below does not start from
+    torch.save(net.state_dict(), tmp_path / "w.pt")
+    model = partita.parallelize(_net(), loss_fn=nn.MSELoss(), weights=tmp_path / "w.pt")
+    x, y = _batches(device)[0]
+    model(x, y)
+    for name, p in net.named_parameters():
+        assert torch.equal(model.get_param(name).cpu(), p.detach()), name
+
+
 def _run(ranks: int, mode: str, visible: str | None, timeout: int, where: Path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PARTITA_TIMEOUT_S": "60"}
     if visible is not None:

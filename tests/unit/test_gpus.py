@@ -26,6 +26,15 @@ def test_more_ranks_than_gpus_stops_every_rank_of_the_node(local_rank):
     assert "partita run -n 1" in text and "make 2 GPUs visible" in text
 
 
+def test_under_slurms_gpus_per_task_a_rank_computes_on_the_gpu_it_sees():
+    """--gpus-per-task binds each task's GPUs to it: each rank sees its own, first at index 0. With
+    --gpu-bind=none every task sees the node's GPUs, and local rank r takes the r-th as usual."""
+    assert [gpu_of(r, 4, 1, str(r), gpus_per_task="1") for r in range(4)] == [0, 0, 0, 0]
+    assert [gpu_of(r, 4, 4, None, gpus_per_task="1") for r in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(LaunchError, match="--gpus-per-task"):
+        gpu_of(1, 2, 1, "0")  # without it, two ranks on one GPU
+
+
 def test_the_error_says_when_cuda_visible_devices_is_unset():
     with pytest.raises(LaunchError, match="CUDA_VISIBLE_DEVICES unset"):
         gpu_of(0, 8, 4, None)
@@ -36,6 +45,7 @@ def test_init_stops_before_touching_the_gpu(monkeypatch):
     for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "CUDA_VISIBLE_DEVICES": "0"}.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_GPUS_PER_TASK", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
 

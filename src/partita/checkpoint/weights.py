@@ -41,6 +41,7 @@ from partita.checkpoint.manifest import MANIFEST, read_manifest
 from partita.checkpoint.unpickling import (METADATA, UNREADABLE, CheckedReader, WeightsOnlyLoadPlanner, read_metadata,
                                            torch_refusal)
 from partita.errors import CheckpointError
+from partita.runtime.host_copies import HostCopies
 
 _SHOWN = 5  # names listed in an error before "and N more"
 _ZIP = b"PK\x03\x04"  # torch.save's format since torch 1.6 is a zip archive
@@ -98,7 +99,10 @@ class WeightFile(ABC):
         if unknown:
             raise CheckpointError(f"{self.path} holds no tensor named {_some(unknown)}; read only names that "
                                   "match_weights returned")
-        return {n: t.to(device=device, dtype=wanted[n], copy=True) for n, t in self._tensors(names)}
+        copies = HostCopies(device)
+        out = {n: copies.to(t, wanted[n], copy=True) for n, t in self._tensors(names)}
+        copies.finish()
+        return out
 
 
 def open_weights(path: str | Path) -> WeightFile:

@@ -190,7 +190,7 @@ def init() -> World:
         me = Placement("existing group", dist.get_rank(), dist.get_world_size(), 0, 1, join=Join.ADOPT)
     if torch.cuda.is_available():
         index = gpus.gpu_of(me.local_rank, me.local_world_size, torch.cuda.device_count(),
-                            os.environ.get("CUDA_VISIBLE_DEVICES"))
+                            os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("SLURM_GPUS_PER_TASK"))
         backend, device = "nccl", torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:

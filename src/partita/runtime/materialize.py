@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from partita.errors import ModelError
 from partita.runtime import agreement
+from partita.runtime.host_copies import HostCopies
 from partita.runtime.optim import repoint_optimizer
 from partita.runtime.ownership import named_state
 from partita.runtime.route import buckets
@@ -106,11 +107,13 @@ def materialize(module: nn.Module, optimizer: torch.optim.Optimizer | None, keep
     if meta:
         _initialize(module, meta, keep, initial)
     replaced = {}
+    copies = HostCopies(device)
     for p in places:
-        t = _placed(p, p in kept, device)
+        t = _placed(p, p in kept, copies)
         _set(module, p.names, t)
         if t is not p.tensor:
             replaced[id(p.tensor)] = t
+    copies.finish()
     repoint_optimizer(optimizer, replaced, lambda value, new: value.to(new.device))
     del places, kept, from_file, rest, replaced
     release_freed_memory()
@@ -187,15 +190,15 @@ def _like(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
 
 
-def _placed(p: _Place, kept: bool, device: torch.device) -> torch.Tensor:
-    """The tensor this rank holds for `p`: the original object where it can stay (kept, on `device`, written
-    in place), else a new one on `device`, or meta when not kept."""
+def _placed(p: _Place, kept: bool, copies: HostCopies) -> torch.Tensor:
+    """The tensor this rank holds for `p`: the original object where it can stay (kept, on the device, written
+    in place), else a new one on the device, or meta when not kept."""
     t = p.tensor
     if not kept:
         return t if t.is_meta else _like(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
     value = p.value if p.value is not None else t
-    if t.is_meta or t.device != device:
-        return _like(t, value.detach().to(device=device, dtype=t.dtype))
+    if t.is_meta or t.device != copies.device:
+        return _like(t, copies.to(value.detach(), t.dtype))
     if value is not t:
         with torch.no_grad():
             t.copy_(value)

@@ -45,10 +45,14 @@ _ALIGN = 8
 
 def pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     specs = [TensorSpec.of(t) for t in tensors]
-    buffer = torch.empty(sum(s.padded_nbytes for s in specs), dtype=torch.uint8, device=device)
+    # host tensors bound for a GPU (a CPU model's weights) are packed in pinned memory and cross in one
+    # asynchronous copy, not one synchronous copy each (runtime/host_copies.py says why)
+    staged = device.type == "cuda" and all(t.device.type == "cpu" for t in tensors)
+    buffer = torch.empty(sum(s.padded_nbytes for s in specs), dtype=torch.uint8, device="cpu" if staged else device,
+                         pin_memory=staged)
     for t, view in zip(tensors, unpack(buffer, specs)):
         view.copy_(t.detach())
-    return buffer
+    return buffer.to(device, non_blocking=True) if staged else buffer
 
 
 def buckets(items: list[T], limit_bytes: int, tensor_of: Callable[[T], torch.Tensor] = lambda t: t) -> list[list[T]]:
