@@ -7,6 +7,7 @@ call: agree with the other ranks on what this call is (`runtime.agreement`), the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -16,8 +17,9 @@ import torch
 from torch import nn
 
 from partita.capture.dtypes import InputDtype, dtype_problem, input_dtypes
-from partita.capture.export import CallSignature, capture, flatten_call, misplaced
+from partita.capture.export import CallSignature, CapturedGraph, capture, flatten_call, misplaced
 from partita.capture.model_graph import model_graph
+from partita.checkpoint.relayout import relayout
 from partita.checkpoint.weights import model_weights
 from partita.errors import BatchError, PlanError
 from partita.graph import ModelGraph
@@ -25,7 +27,7 @@ from partita.launch import env
 from partita.plan import Constraints, Plan
 from partita.plan.choose import simulate_plan
 from partita.plan.plan import check_sharding
-from partita.planning import Planned, PlanRequest, agreed_plan, review_step
+from partita.planning import Planned, PlanRequest, agreed_plan, agreed_switch, review_step
 from partita.runtime import agreement
 from partita.runtime.batch import Call, local_rows, loss_of, split_target
 from partita.runtime.build import build_runtime
@@ -54,6 +56,7 @@ class ParallelModule(nn.Module):
         self._planned: Planned | None = None
         self._graph: ModelGraph | None = None
         self._clock: StepClock | None = None
+        self._capture: tuple[CapturedGraph, CallSignature] | None = None  # the first call's, and its signature
         self._input_dtypes: list[InputDtype] = []
         self._parameter_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
 
@@ -85,20 +88,31 @@ class ParallelModule(nn.Module):
                     self._start_agreeing(tensors, target, signature, problem, world.device))
         if self._runtime is None:
             self._setup(call)
+        training = self.module.training and torch.is_grad_enabled()
+        if not self._clock.done:
+            self._time_step(call, training, called_s)
         result = self._runtime(call)
-        self._time_step(call, result, called_s)
+        if training and not self._clock.done:
+            self._end_step_with(result)
         return result
 
-    def _time_step(self, call: Call, result, called_s: float) -> None:
+    def _time_step(self, call: Call, training: bool, called_s: float) -> None:
         """Time the training steps: from this call to the end of its backward or its optimizer's step. Once
-        enough were measured, rank 0 says how they compare with the plan's estimate (`planning.review_step`)."""
-        training = self.module.training and torch.is_grad_enabled()
+        enough were measured, rank 0 says how they compare with the plan's estimate (`planning.review_step`), and
+        where another layout is enough faster, every rank moves to it before running this call
+        (`planning.agreed_switch`, `checkpoint.relayout`)."""
         measured_s = self._clock.called(call.rows, training, called_s)
-        if measured_s is not None and env.world().rank == 0:
-            env.log_to_stderr()
-            log.log(*review_step(self._planned, self._graph, self._request, measured_s))
-        if not training or self._clock.done:
+        if measured_s is None:
             return
+        faster = agreed_switch(lambda: review_step(self._planned, self._graph, self._request, measured_s),
+                               self.module, self._runtime.plan)
+        if faster is not None:
+            self._runtime = relayout(self, self.module, self._optimizer, self._runtime,
+                                     lambda initial: self._build(faster.plan, call, initial))
+            self._planned = faster if self._runtime.plan is faster.plan else self._planned
+
+    def _end_step_with(self, result) -> None:
+        """The step under way ends, at the latest, with the backward through this call's output."""
         ended = next((t for t in torch.utils._pytree.tree_leaves(result)
                       if isinstance(t, torch.Tensor) and t.requires_grad), None)
         if ended is not None:
@@ -140,9 +154,20 @@ class ParallelModule(nn.Module):
         if self._optimizer is not None:
             clock = self._clock
             self._optimizer.register_step_post_hook(lambda *_: clock.ended(time.perf_counter()))
-        self._runtime = build_runtime(self.module, cap, graph, self._planned.plan, call, loss=self._loss,
+        self._capture = (cap, call.signature)
+        self._build(self._planned.plan, call, self._initial)
+
+    def _build(self, plan: Plan, call: Call, initial: Initial) -> Runtime:
+        """This rank's part of the model under `plan`, from the first call's capture (`call`: the one under way),
+        in use from now on."""
+        cap, signature = self._capture
+        # the capture's engine is keyed by the first call's signature; DDP settles its buckets with this call's
+        first = dataclasses.replace(call, signature=signature)
+        world = env.world()
+        self._runtime = build_runtime(self.module, cap, self._graph, plan, first, loss=self._loss,
                                       optimizer=self._optimizer, rank=world.rank, world_size=world.world_size,
-                                      device=world.device, initial=self._initial)
+                                      device=world.device, initial=initial)
+        return self._runtime
 
     def adopt_plan(self, plan: Plan) -> bool:
         """Use `plan` (e.g. the one a checkpoint was saved under) at the first call instead of planning, unless

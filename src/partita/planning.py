@@ -2,17 +2,26 @@
 
 Every rank measures its share of the model's blocks and links (unless a plan was given, or the measurements
 are cached), rank 0 plans, and every rank gets the same plan or the same error.
+
+Once the job measured its own steps (`runtime.step_clock`), rank 0 reviews the plan (`review_step`) and every
+rank learns at the same call whether the job switches to a faster layout (`agreed_switch`; the move itself is
+`checkpoint.relayout`). It keeps its layout, and rank 0 names the faster one's arguments instead, where a switch
+could not be exact or has nowhere to go through: PARTITA_SWITCH_LAYOUT=off; ranks on several nodes (no directory
+is known to be shared); float16 (its loss scale would start over); gradients held from an earlier call
+(accumulated over calls, which the switch would drop).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from partita import settings
 from partita.capture.export import CapturedGraph
@@ -26,10 +35,17 @@ from partita.plan.explain import seconds
 from partita.plan.plan import PRECISION_DTYPES
 from partita.profile import Parallelize, device_spec, measure
 from partita.runtime import agreement
-from partita.runtime.precision import DTYPES
+from partita.runtime.precision import DTYPES, SCALED
+from partita.runtime.state import local_part
 from partita.runtime.step_clock import MEASURED_STEPS
 
+log = logging.getLogger("partita")
+
 OFF_BY = 0.15  # a measured step this far from the plan's estimate is reported, and the plan reviewed
+# Another layout is switched to only if its estimate is at least this much below the measured step: estimates
+# miss measured steps by 7 % (median, docs/results.md), so a smaller gain may be none, and the switch itself (a
+# checkpoint round trip, seconds) pays for itself only over many steps.
+SWITCH_GAIN = 0.10
 
 
 @dataclass(frozen=True)
@@ -121,30 +137,44 @@ def _make_plan(graph: ModelGraph, global_batch: int, profile: Profile | None, cl
     return plan.validate(env.world().world_size)
 
 
-def review_step(planned: Planned, graph: ModelGraph, request: PlanRequest, measured_s: float) -> tuple[int, str]:
-    """(log level, message), on rank 0, about a step measured against the plan's estimate. Beyond `OFF_BY`, the
-    planner plans once more, with partita's fixed cost per step refitted so that this plan's estimate is the
-    measured step (everything else as measured before), and says whether another layout would then be faster."""
+@dataclass(frozen=True)
+class Review:
+    """What rank 0 says about a measured step (`review_step`), and a layout worth switching to, if any."""
+
+    level: int  # logging's
+    text: str
+    faster: Planned | None = None  # planned again from the refitted measurements, at least SWITCH_GAIN faster
+
+
+def review_step(planned: Planned, graph: ModelGraph, request: PlanRequest, measured_s: float) -> Review:
+    """Rank 0's review of a step measured against the plan's estimate. Beyond `OFF_BY`, the planner plans once
+    more, with partita's fixed cost per step refitted so that this plan's estimate is the measured step (everything
+    else as measured before), and says whether another layout would then be faster; one estimated at least
+    `SWITCH_GAIN` faster than the measured step is the review's `faster`, for the job to switch to."""
     plan = planned.plan
     estimate_s = plan.estimate.step_s
     off = measured_s / estimate_s - 1
     text = (f"a training step takes {seconds(measured_s)} (the median of {MEASURED_STEPS}, from a call of the model to "
             f"the end of its backward or optimizer step); the plan estimated {seconds(estimate_s)} ({off:+.0%})")
     if abs(off) <= OFF_BY:
-        return logging.INFO, text
+        return Review(logging.INFO, text)
     if planned.profile is None or planned.cluster is None:
-        return logging.WARNING, (f"{text}. The plan was given, so partita has no measurements to plan again "
-                                 "with; without plan=..., it plans from this job's own.")
+        return Review(logging.WARNING, f"{text}. The plan was given, so partita has no measurements to plan again "
+                                       "with; without plan=..., it plans from this job's own.")
     cluster = planned.cluster.with_step_overhead(not plan.runs_under_ddp, measured_s - estimate_s)
     again = choose_plan(graph, planned.profile, cluster, global_batch=plan.estimate.global_batch,
                         optimizer_factor=request.optimizer_factor, constraints=request.constraints)
     if again.layout == plan.layout:
-        return logging.WARNING, (f"{text}. Planned again with partita's cost per step refitted to the measured "
-                                 "step: this layout stays the fastest.")
-    return logging.WARNING, (
-        f"{text}. Planned again with partita's cost per step refitted to the measured step, another layout is "
-        f"faster: {_choices(again)}, estimated {seconds(again.estimate.step_s)} per step (this one: "
-        f"{_choices(plan)}). This job keeps its layout; to train under the other, pass those to parallelize.")
+        return Review(logging.WARNING, f"{text}. Planned again with partita's cost per step refitted to the measured "
+                                       "step: this layout stays the fastest.")
+    gain = 1 - again.estimate.step_s / measured_s
+    text = (f"{text}. Planned again with partita's cost per step refitted to the measured step, another layout is "
+            f"faster: {_choices(again)}, estimated {seconds(again.estimate.step_s)} per step, {gain:.0%} less "
+            f"(this one: {_choices(plan)})")
+    if gain < SWITCH_GAIN:
+        return Review(logging.WARNING, f"{text}: too little to pay for switching. This job keeps its layout; to train "
+                                       "under the other, pass those to parallelize.")
+    return Review(logging.WARNING, text, Planned(again, planned.profile, cluster))
 
 
 def _choices(plan: Plan) -> str:
@@ -153,3 +183,58 @@ def _choices(plan: Plan) -> str:
     sharding = f", sharding={levels.pop()!r}" if len(levels) == 1 else ""
     return (f"stages={plan.num_stages}, micro_batches={plan.micro_batches}, schedule={plan.schedule!r}"
             f"{sharding}")
+
+
+def agreed_switch(review: Callable[[], Review], module: nn.Module, plan: Plan) -> Planned | None:
+    """Collective, at the call where every rank's step clock completed: rank 0 reviews the measured step with
+    `review` and says what it found. The plan to switch to (on rank 0 with what it was made from), the same on
+    every rank, or None to keep `plan`. Rank 0's failure to review raises on every rank."""
+    world = env.world()
+    said = problem = None
+    if world.rank == 0:
+        try:
+            said = review()
+        except Exception as e:  # noqa: BLE001 - every rank raises it, none waits for a decision that never comes
+            problem = RankError.of(0, e if isinstance(e, PartitaError) else
+                                   InternalError(f"rank 0 failed to review the measured step: {type(e).__name__}: {e}"))
+    faster = said.faster.plan.to_json() if said is not None and said.faster is not None else None
+    enabled = settings.switch_layout_enabled() if world.rank == 0 else None  # rank 0's setting holds for all
+    mine = (faster, enabled, problem, _holds_gradients(module))
+    every = [mine]
+    if world.world_size > 1:
+        every = [None] * world.world_size
+        dist.all_gather_object(every, mine)
+    faster, enabled, problem, _ = every[0]
+    if problem is not None:
+        raise problem.error(named=False)
+    why = None if faster is None else _why_kept(enabled, world, plan, [r for r, m in enumerate(every) if m[3]])
+    if world.rank == 0:
+        env.log_to_stderr()
+        ending = "" if faster is None else (". Switching to it" if why is None else
+                                            f". This job keeps its layout ({why}); to train under the other, pass "
+                                            "those to parallelize")
+        log.log(said.level, "%s", said.text + ending)
+    if faster is None or why is not None:
+        return None
+    return said.faster if world.rank == 0 else Planned(Plan.from_json(faster), None, None)
+
+
+def _holds_gradients(module: nn.Module) -> bool:
+    """Whether this rank holds a gradient other than zeros: one accumulated over calls, which a switch would drop."""
+    return any(p.grad is not None and bool(local_part(p.grad).ne(0).any()) for p in module.parameters())
+
+
+def _why_kept(enabled: bool, world: env.World, plan: Plan, holding_gradients: list[int]) -> str | None:
+    """Why the job cannot switch layouts at this call; None if it can."""
+    if not enabled:
+        return "PARTITA_SWITCH_LAYOUT=off"
+    if world.num_nodes > 1:
+        return (f"its ranks are on {world.num_nodes} nodes, and partita knows of no directory they all see to move "
+                "the model through")
+    if plan.precision in SCALED:
+        return f"under {plan.precision}, the loss scale would start over in another layout"
+    if holding_gradients:
+        ranks = ", ".join(map(str, holding_gradients))
+        return (f"rank{'s' if len(holding_gradients) > 1 else ''} {ranks} hold gradients from an earlier call "
+                "(accumulated over calls, or zeroed only after the call), which a switch would drop")
+    return None

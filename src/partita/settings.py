@@ -116,6 +116,12 @@ def overlap_enabled() -> bool:
     return _switch("PARTITA_OVERLAP")
 
 
+def switch_layout_enabled() -> bool:
+    """PARTITA_SWITCH_LAYOUT: 'on' (the default): when the measured step shows another layout at least 10 % faster,
+    the job moves to it, once (`planning.agreed_switch`); 'off': it keeps its layout and rank 0 names the faster one."""
+    return _switch("PARTITA_SWITCH_LAYOUT")
+
+
 def _switch(name: str) -> bool:
     """'on' (the default) or 'off'."""
     text = _raw(name)
@@ -164,6 +170,7 @@ _ALLOWED: dict[str, tuple[str, str]] = {
     "PARTITA_TIMEOUT_S": ("a number of seconds above 0 and at most 1e9", "600"),
     "PARTITA_LOG": ("'on' (the default) or 'off'", "off"),
     "PARTITA_OVERLAP": ("'on' (the default) or 'off'", "off"),
+    "PARTITA_SWITCH_LAYOUT": ("'on' (the default) or 'off'", "off"),
     "PARTITA_CACHE_DIR": ("a directory, or a path where one can be created", "/tmp/partita-cache"),
     "PARTITA_STOP_FILE": ("the path of a file (not a directory)", "/tmp/job.stop"),
     "PARTITA_RESUME_FILE": ("the path of a file (not a directory)", "/tmp/job.resume"),
@@ -172,6 +179,7 @@ READERS: dict[str, Callable[[], object]] = {
     "PARTITA_MEMORY_LIMIT": memory_limit, "PARTITA_PROFILE": profile_mode, "PARTITA_TIMEOUT_S": timeout_s,
     "PARTITA_LOG": log_enabled, "PARTITA_CACHE_DIR": cache_dir, "PARTITA_STOP_FILE": stop_file,
     "PARTITA_RESUME_FILE": resume_file, "PARTITA_OVERLAP": overlap_enabled,
+    "PARTITA_SWITCH_LAYOUT": switch_layout_enabled,
 }
 
 

@@ -14,6 +14,7 @@ import io
 import logging
 import math
 import os
+import tempfile
 import time
 from unittest import mock
 
@@ -707,12 +708,9 @@ def gradient_sums(schedule: str, style: str, bucket_bytes: int, overlap: str = "
     return {"started_during": pm.runtime.grads.started_during, "held": sorted(pm.plan.stages_of(rank)), "far": far}
 
 
-def step_review(steps: int = 10) -> dict:
-    """Train the MLP for `steps` steps with its optimizer: what partita said about the measured step."""
-    torch.manual_seed(0)
-    case = CASES["mlp"]
-    model = case.make()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+@contextlib.contextmanager
+def _partita_log():
+    """The messages partita logs while the block runs (at INFO and above)."""
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
@@ -721,6 +719,19 @@ def step_review(steps: int = 10) -> dict:
     level = logger.level
     logger.setLevel(logging.INFO)  # clears the loggers' cached levels, which assigning `level` would not
     try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def step_review(steps: int = 10) -> dict:
+    """Train the MLP for `steps` steps with its optimizer: what partita said about the measured step."""
+    torch.manual_seed(0)
+    case = CASES["mlp"]
+    model = case.make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with _partita_log() as said:
         pm = partita.parallelize(model, opt, loss_fn=case.loss_fn, stages=2, micro_batches=2)
         args, _, target = case.batch(8, torch.Generator().manual_seed(partita.get_rank()))
         walls = []
@@ -730,8 +741,54 @@ def step_review(steps: int = 10) -> dict:
             pm(*args, target).backward()
             opt.step()
             walls.append(time.perf_counter() - start)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     return {"said": [s for s in said if "a training step takes" in s], "estimate_s": pm.plan.estimate.step_s,
             "walls_s": walls}
+
+
+class _SlowLoss(torch.nn.Module):
+    """A loss that takes `delay_s` longer than it computes: the job's steps measure far above the estimate of a
+    data-parallel plan, whose refitted cost per step then makes a pipelined one faster (planning.agreed_switch)."""
+
+    def __init__(self, loss: torch.nn.Module, delay_s: float):
+        super().__init__()
+        self.loss, self.delay_s, self.reduction = loss, delay_s, loss.reduction
+
+    def forward(self, out, target):
+        time.sleep(self.delay_s)
+        return self.loss(out, target)
+
+
+@mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
+def layout_switch(optimizer: str, steps: int = 12, switch: str = "on", delay_s: float = 0.05,
+                  fail_on_rank: int | None = None, tmp: str | None = None, **plan_args) -> dict:
+    """Train the MLP `steps` steps with a loss that sleeps `delay_s` (its steps measure far above the plan's
+    estimate) under PARTITA_SWITCH_LAYOUT=`switch`, and in one process; the plans before and after, what rank 0
+    said, the worst differences. `fail_on_rank`: that rank fails while dropping its part of the model.
+    `tmp`: the directory temporary files go to. `plan_args`: constraints given to parallelize (and so to planning
+    again)."""
+    case = CASES["mlp"]
+    torch.manual_seed(0)
+    ref = case.make()
+    model = case.make()
+    model.load_state_dict(ref.state_dict())
+    opt, ref_opt = _optimizer(optimizer, model), _optimizer(optimizer, ref)
+    failing = (mock.patch("partita.checkpoint.relayout.unmaterialize", side_effect=OSError("no memory left"))
+               if partita.get_rank() == fail_on_rank else contextlib.nullcontext())
+    plans, error = [], None
+    with _partita_log() as said, mock.patch.dict(os.environ, {"PARTITA_SWITCH_LAYOUT": switch}), failing, \
+            mock.patch.object(tempfile, "tempdir", tmp or tempfile.gettempdir()):
+        try:
+            pm = partita.parallelize(model, opt, loss_fn=_SlowLoss(case.loss_fn, delay_s), **plan_args)
+            side = _SideBySide(case, "loss_fn", ref, ref_opt, 8, 1, False, {}, 1, None)
+            for step in range(steps):
+                side.step(pm, opt, None, f"step {step}")
+                if not plans or plans[-1] != pm.plan.to_json():
+                    plans.append(pm.plan.to_json())
+            side.compare_model(pm, opt)
+        except partita.PartitaError as e:
+            error = f"{type(e).__name__}: {e}"
+    if error is not None:
+        return {"error": error}
+    held = sorted(n for n, t in model.state_dict(keep_vars=True).items() if not t.is_meta)
+    return {"diffs": side.diffs.result(), "plans": plans, "held": held,
+            "said": [s for s in said if "a training step takes" in s or s.startswith("partita: ")]}

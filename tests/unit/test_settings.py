@@ -138,7 +138,8 @@ def test_an_unknown_variable_is_a_warning_naming_the_close_match(monkeypatch, ty
     monkeypatch.setenv(typo, "1")
     assert settings.check() == [
         f"{typo} is set, but partita reads no such setting: did you mean {meant}? partita reads PARTITA_CACHE_DIR, "
-        "PARTITA_LOG, PARTITA_MEMORY_LIMIT, PARTITA_OVERLAP, PARTITA_PROFILE, PARTITA_RESUME_FILE, PARTITA_STOP_FILE, PARTITA_TIMEOUT_S"]
+        "PARTITA_LOG, PARTITA_MEMORY_LIMIT, PARTITA_OVERLAP, PARTITA_PROFILE, PARTITA_RESUME_FILE, PARTITA_STOP_FILE, "
+        "PARTITA_SWITCH_LAYOUT, PARTITA_TIMEOUT_S"]
 
 
 def test_an_unknown_variable_like_no_setting_is_a_warning_without_a_guess(monkeypatch):

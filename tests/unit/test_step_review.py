@@ -2,9 +2,10 @@
 step refitted to the measured step (planning.review_step)."""
 
 import logging
+import re
 
 from partita.plan import Constraints, choose_plan
-from partita.planning import Planned, PlanRequest, review_step
+from partita.planning import OFF_BY, SWITCH_GAIN, Planned, PlanRequest, review_step
 from test_sharding_prices import cluster, graph_of
 
 
@@ -15,22 +16,44 @@ def test_a_step_near_its_estimate_is_said_and_one_far_from_it_reviews_the_plan()
     plan = choose_plan(graph, profile, c, global_batch=16, optimizer_factor=1, constraints=request.constraints)
     assert plan.runs_under_ddp
     planned, estimate = Planned(plan, profile, c), plan.estimate.step_s
-    level, text = review_step(planned, graph, request, estimate * 1.1)
-    assert level == logging.INFO and "(+10%)" in text and "Planned again" not in text
-    # DDP's cost per step refitted to 30 times the estimate: pipelining the 8 blocks over the 2 ranks wins
-    level, text = review_step(planned, graph, request, estimate * 30)
-    assert level == logging.WARNING and "another layout is faster: stages=2" in text
-    assert "this one: stages=1, micro_batches=1" in text
+    review = review_step(planned, graph, request, estimate * 1.1)
+    assert review.level == logging.INFO and "(+10%)" in review.text and "Planned again" not in review.text
+    assert review.faster is None
+    # DDP's cost per step refitted to 30 times the estimate: pipelining the 8 blocks over the 2 ranks wins, by
+    # far enough to switch to it
+    review = review_step(planned, graph, request, estimate * 30)
+    assert review.level == logging.WARNING and "another layout is faster: stages=2" in review.text
+    assert "this one: stages=1, micro_batches=1" in review.text
+    assert review.faster.plan.num_stages == 2 and review.faster.profile is profile
+    assert review.faster.cluster.step_overhead_s(False) > c.step_overhead_s(False)
     # where the caller fixed the layout, it stays
     fixed = PlanRequest(Constraints(stages=1, micro_batches=1, sharding="none"), None, 1)
-    level, text = review_step(planned, graph, fixed, estimate * 30)
-    assert level == logging.WARNING and "this layout stays the fastest" in text
+    review = review_step(planned, graph, fixed, estimate * 30)
+    assert review.level == logging.WARNING and "this layout stays the fastest" in review.text
+    assert review.faster is None
+
+
+def test_a_faster_layout_is_switched_to_only_when_it_gains_enough():
+    """Measured just beyond OFF_BY, pipelining wins by less than SWITCH_GAIN: said, not switched to."""
+    graph, profile = graph_of([1] * 8)
+    c = cluster(2, 10**4)
+    request = PlanRequest(Constraints(sharding="none"), None, 1)
+    plan = choose_plan(graph, profile, c, global_batch=16, optimizer_factor=1, constraints=request.constraints)
+    planned = Planned(plan, profile, c)
+    little = review_step(planned, graph, request, plan.estimate.step_s * (1 + OFF_BY + 0.005))
+    assert "another layout is faster: stages=2" in little.text and little.faster is None
+    assert re.search(r"per step, [0-9]% less .*too little to pay for switching. This job keeps its layout",
+                     little.text), little.text
+    enough = review_step(planned, graph, request, plan.estimate.step_s * 1.3)
+    gain = 1 - enough.faster.plan.estimate.step_s / (plan.estimate.step_s * 1.3)
+    assert gain >= SWITCH_GAIN and "too little" not in enough.text
 
 
 def test_a_plan_given_has_no_measurements_to_plan_again_with():
     graph, profile = graph_of([1] * 4)
     c = cluster(2, 10**4)
     plan = choose_plan(graph, profile, c, global_batch=16, optimizer_factor=1)
-    level, text = review_step(Planned(plan, None, None), graph, PlanRequest(Constraints(), plan, 1),
-                              plan.estimate.step_s * 2)
-    assert level == logging.WARNING and "no measurements to plan again with" in text
+    review = review_step(Planned(plan, None, None), graph, PlanRequest(Constraints(), plan, 1),
+                         plan.estimate.step_s * 2)
+    assert review.level == logging.WARNING and "no measurements to plan again with" in review.text
+    assert review.faster is None

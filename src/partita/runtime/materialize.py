@@ -119,6 +119,23 @@ def materialize(module: nn.Module, optimizer: torch.optim.Optimizer | None, keep
     release_freed_memory()
 
 
+def unmaterialize(module: nn.Module, optimizer: torch.optim.Optimizer | None, values: dict[str, torch.Tensor]) -> None:
+    """Before another plan's `materialize`: every tensor of the module becomes a new meta tensor of its shape, except
+    those named in `values`, which hold those values. New objects, so that nothing a runtime attached to the old
+    ones (DDP's gradient hooks, FSDP's shards) reaches the next. The optimizer's parameter groups follow; its state
+    is dropped."""
+    replaced = {}
+    for p in _places(module):
+        t = p.tensor
+        value = next((values[n] for n in p.names if n in values), None)
+        new = _like(t, value.detach() if value is not None else torch.empty(t.shape, dtype=t.dtype, device="meta"))
+        _set(module, p.names, new)
+        replaced[id(t)] = new
+    repoint_optimizer(optimizer, replaced, lambda value, new: value)
+    del replaced
+    release_freed_memory()
+
+
 def release_freed_memory() -> None:
     """Give the memory of the tensors this rank dropped back to the system. Every rank went through the whole
     model (broadcast buckets, initializations); glibc's malloc keeps freed blocks below its mmap threshold, which

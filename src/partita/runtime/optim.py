@@ -47,6 +47,13 @@ def patch_optimizer(optimizer: torch.optim.Optimizer, full_state_dict, keep_loca
     optimizer._partita_patched = True
 
 
+def unpatch_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Undo `patch_optimizer`: its state_dict and load_state_dict are the class's again (another runtime, which
+    patches them anew, takes the model)."""
+    if getattr(optimizer, "_partita_patched", False):
+        del optimizer.state_dict, optimizer.load_state_dict, optimizer._partita_patched
+
+
 def repoint_optimizer(optimizer: torch.optim.Optimizer | None, replaced: dict[int, torch.Tensor],
                       convert) -> None:
     """The optimizer steps the new tensors: its parameter groups and state follow the modules; a state tensor

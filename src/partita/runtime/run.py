@@ -17,8 +17,8 @@ from torch import nn
 
 from partita.plan.plan import Plan
 from partita.runtime.batch import Call
-from partita.runtime.optim import converted_state, patch_optimizer
-from partita.runtime.ownership import Ownership
+from partita.runtime.optim import converted_state, patch_optimizer, unpatch_optimizer
+from partita.runtime.ownership import Ownership, named_state
 from partita.runtime.precision import LossScale
 from partita.runtime.sharding import OptimizerSharding, state_keepers
 from partita.runtime.state import (broadcast_from_owners, full_value, gather_optimizer_state, landing, local_part,
@@ -74,6 +74,7 @@ class Runtime:
         # parameter (first name) -> the replica of its stage that keeps its optimizer state, where sharded
         self.keepers: dict[str, int] = {}
         self.loss_scale: LossScale | None = None  # float16's (precision.py)
+        self.sharding: OptimizerSharding | None = None  # ZeRO-1's step hooks, where the plan shards optimizer state
 
     def __call__(self, call: Call):
         raise NotImplementedError
@@ -118,8 +119,8 @@ class Runtime:
         if not self.keepers:
             return
         self.optimizer = optimizer
-        OptimizerSharding(optimizer, self.keepers, self.parameters, self.plan, self.ownership.stage_params,
-                          stage_groups, self.rank, self.device)
+        self.sharding = OptimizerSharding(optimizer, self.keepers, self.parameters, self.plan,
+                                          self.ownership.stage_params, stage_groups, self.rank, self.device)
         self.keep_optimizer_state_here(optimizer)
 
     def scale_loss(self, optimizer: torch.optim.Optimizer) -> None:
@@ -142,9 +143,24 @@ class Runtime:
         reads = frozenset(n for n, t in named.items() if isinstance(t, torch.Tensor) and not t.is_meta)
         return Held(writes, frozenset(names[i] for i in local), reads)
 
+    def release(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Undo what this runtime set on the user's optimizer, before another runtime takes the model."""
+        if optimizer is not None:
+            unpatch_optimizer(optimizer)
+        if self.sharding is not None:
+            self.sharding.remove()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state under its original names, the same on every rank."""
-        named = [(n, full_value(t)) for n, t in self.module.state_dict(keep_vars=True).items()]
+        return self._whole(self.module.state_dict(keep_vars=True).items())
+
+    def unsaved_state(self) -> dict[str, torch.Tensor]:
+        """The tensors no state_dict holds (buffers registered with persistent=False), whole on every rank."""
+        saved = self.module.state_dict(keep_vars=True)
+        return self._whole((n, t) for n, t in named_state(self.module).items() if n not in saved)
+
+    def _whole(self, items) -> dict[str, torch.Tensor]:
+        named = [(n, full_value(t)) for n, t in items]
         if not self.split_gradients:
             return {n: t.detach().clone() for n, t in named}
         return dict(broadcast_from_owners(named, self.ownership.owner, self.device))

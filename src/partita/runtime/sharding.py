@@ -72,8 +72,13 @@ class OptimizerSharding:
                 if names:
                     self.sends.append((stage_groups.get(stage.index), keeper, [params[n] for n in names]))
         self._hidden: list[tuple[nn.Parameter, torch.Tensor]] = []
-        optimizer.register_step_pre_hook(self._before_step)
-        optimizer.register_step_post_hook(self._after_step)
+        self.hooks = [optimizer.register_step_pre_hook(self._before_step),
+                      optimizer.register_step_post_hook(self._after_step)]
+
+    def remove(self) -> None:
+        """The optimizer steps as it did before (another runtime takes the model)."""
+        for hook in self.hooks:
+            hook.remove()
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         for group in optimizer.param_groups:
