@@ -242,6 +242,15 @@ def _first(lowest: int, highest: int, holds) -> int:
     return lo
 
 
+def _spread(micro_batches: int, stages: int) -> float:
+    """W / this is the per-stage bound of work W split into `stages` stages (Remainder.chain). The stages
+    after a rank's from their place (`_later_ranks_bound`) take at least the quick work of the rank's stage
+    plus that of the blocks after it over this: a block moved from the rank's stage to those after adds at
+    least as much as it takes away, so the stops' `too_short` may cut with it (it only grows as the stage
+    shrinks)."""
+    return 1.0 if micro_batches == 1 else 1.0 - ((micro_batches - 1) / micro_batches) ** stages
+
+
 def _put(values: tuple, index: int, value) -> tuple:
     return values[:index] + (value,) + values[index + 1:]
 
@@ -566,8 +575,11 @@ class PartitionSearch:
                 return True
             return False
 
+        spread = _spread(m, left)
+
         def too_short(e: int) -> bool:
             return (rank_start + m * (rest.quick_work(e, x, left) + later_least) / left >= limit
+                    or rank_start + rest.quick_work(c, e, 1) + rest.quick_work(e, x, left) / spread >= limit
                     or rest.quick_memory(e, x) > left * capacity or not rest.fits(e, [capacity] * left, x))
 
         yield from self._outwards(c, c + 1, x - left, x, left + 1, too_long, too_short)
@@ -598,10 +610,7 @@ class PartitionSearch:
                 return True
             return False
 
-        # the last stage from its place (`_later_ranks_bound`), at least: the quick work of this stage and M
-        # times that of the stages after it, split as evenly as the per-stage bound allows (Remainder.chain);
-        # a block moved from this stage to those after adds at least as much as it takes away
-        spread = 1.0 if m == 1 else 1.0 - ((m - 1) / m) ** left
+        spread = _spread(m, left)
 
         def too_short(g: int) -> bool:
             return (later + m * (first_rest + rest.quick_work(g, n, left)) / left >= limit
