@@ -10,9 +10,9 @@ from partita.cluster import Cluster, DeviceSpec, Link
 from partita.cluster.presets import DEVICES
 from partita.cluster.cluster import RuntimeOverheads
 from partita.graph import Block, BlockCost, Fit, ModelGraph, Profile
-from partita.plan.bounds import gpipe, layout_bound
+from partita.plan.bounds import Remainder, gpipe, layout_bound
 from partita.plan.cost import CostModel, Layout
-from partita.plan.search import Constraints, PartitionSearch, evaluate, layouts, search
+from partita.plan.search import Constraints, PartitionSearch, _Warmup, evaluate, layouts, search
 from partita.schedule import check_sizes, orders
 from partita.sim import StageCosts, simulate
 
@@ -319,3 +319,64 @@ def test_rank_by_rank_bounds_never_exceed_a_completions_makespan(seed):
                 assert max(made) <= found.trace.makespan_s * (1 + 1e-12), (model.layout, cuts)
                 checked += 1
     assert checked > 50
+
+
+def rank_ends_bound(order, costs, m):
+    """`_Warmup.bound` of one rank with every stage known (prefixes and round trips from the costs)."""
+    f, b, send = costs.forward_s, costs.backward_s, costs.send_activations_s
+    s = len(f)
+    fwd_at = [sum(f[j] + send[j] for j in range(k)) for k in range(s)]
+    bwd_at = [sum(b[j] + send[j] for j in range(k)) for k in range(s)]
+    total_f, total_b = fwd_at[-1] + f[-1], bwd_at[-1] + b[-1]
+    round_trip = lambda k: total_f - fwd_at[k] - f[k] + total_b - bwd_at[k] - b[k]  # noqa: E731
+    stages = {stage for stage, _, _ in order}
+    work = m * sum(f[k] + b[k] for k in stages)
+    return _Warmup.of(order).bound(f, b, fwd_at, bwd_at, round_trip, fwd_at[min(stages)], work)
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"])
+def test_rank_warmup_and_cooldown_bound_never_exceeds_the_makespan(schedule):
+    """A rank's first backward waits for micro-batch 0's round trip, its last forward's backward for that
+    micro-batch's: each rank's bound is at most the simulated makespan, and with equal stages under 1F1B it
+    is the makespan exactly (so an inflated bound fails here)."""
+    rng = random.Random(31)
+    checked = exact = 0
+    for _ in range(80):
+        p, m = rng.randint(1, 5), rng.randint(1, 10)
+        s = p * (1 if schedule in ("GPipe", "1F1B") else 2)
+        try:
+            check_sizes(schedule, s, p, m)
+        except ValueError:
+            continue
+        equal = rng.random() < 0.3
+        costs = random_stage_costs(rng, s, same_rank_sends=p == 1)
+        if equal:
+            costs = StageCosts([1.0] * s, [2.0] * s, [0.0] * s, [0.0] * s)
+        order = orders(schedule, s, p, m)
+        makespan = simulate(order, costs).makespan_s
+        bound = max(rank_ends_bound(order[r], costs, m) for r in range(p))
+        assert bound <= makespan * (1 + 1e-12), (schedule, p, m, bound, makespan)
+        checked += 1
+        exact += equal and schedule == "1F1B" and bound == pytest.approx(makespan, rel=1e-12)
+    assert checked >= 30
+    assert schedule != "1F1B" or exact >= 3
+
+
+def test_most_activations_is_at_least_those_of_any_blocks_within_the_work():
+    """The fractional knapsack that caps what a rank whose work is bounded keeps: never less than the
+    activations of any set of blocks whose work fits (brute force), and met by some set when the blocks fit
+    whole."""
+    rng = random.Random(3)
+    for _ in range(20):
+        graph, profile, cluster, batch, factor = instance(rng, blocks=(1, 7))
+        layout = layouts(graph, cluster, batch, Constraints())[0]
+        model = CostModel(graph, profile, cluster, factor, layout)
+        rest, n = Remainder(model), graph.num_blocks
+        acts = [model.activation_bytes(i, i + 1) for i in range(n)]
+        work = [model.work(i, i + 1) for i in range(n)]
+        limit = rng.uniform(0, sum(work))
+        most = rest.most_activations([(0, n)], limit)
+        best = max(sum(acts[i] for i in chosen) for k in range(n + 1) for chosen in itertools.combinations(range(n), k)
+                   if sum(work[i] for i in chosen) <= limit * (1 - 1e-12))
+        assert best <= most * (1 + 1e-12) + 1e-6
+        assert rest.most_activations([(0, n)], sum(work) * 2) == pytest.approx(sum(acts), rel=1e-12)

@@ -12,7 +12,8 @@ checked against brute force and the simulator in tests/unit/test_search.py):
   per stage before it, at least: the smallest ones, or the least of the blocks left). Zero-bubble schedules end
   with weight gradients (W), which send nothing back: for them only the way down counts.
 - A rank's first backward waits for its warm-up forwards and for micro-batch 0's round trip through the
-  later stages; everything else the rank runs comes after it.
+  later stages; everything else the rank runs comes after it. Likewise the backward of its last forward
+  waits for that micro-batch's round trip, while the rank runs only the backwards ordered before it.
 - GPipe's makespan is sum(f) + sum(b) + transfers + (M-1)(max f + max b), exactly: each phase is a flow
   shop whose longest path turns once, at its slowest stage. LoopedBFS's is the same per phase, or a path
   through stages 0..r and r+P..S-1 (rank r runs all of its first stage before its second) turning in both.
@@ -22,8 +23,9 @@ checked against brute force and the simulator in tests/unit/test_search.py):
   smallest block, no transfers) bounds every completion.
 Blocks not yet placed (`Remainder`) cost at least, whatever stages they are split into: their compute, two
 action overheads per stage, the gradient traffic of the parameters they use, the cheapest transfers between
-their stages, the forwards that memory forces them to recompute; one of the stages holds their largest
-block, and one as many blocks as the average; and every rank has room for what lands on it.
+their stages, the forwards that memory forces them to recompute (a rank keeps the activations only of its
+own blocks, whose work M times over is at most the makespan: `layout_bound`); one of the stages holds their
+largest block, and one as many blocks as the average; and every rank has room for what lands on it.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ class Remainder:
         self._blocks = sorted(((a, o * model.static_per_param_byte, f, i)
                                for i, (a, o, f) in enumerate(zip(acts, own, block_fwd))),
                               key=lambda b: (b[2] / b[0] if b[0] else math.inf, b[3]))
+        # (activations, forward + backward, block): the most activations per second of work first (a rank whose
+        # work is bounded holds at most the activations of such a prefix)
+        self._by_activations = sorted(((a, f + b, i) for i, (a, f, b) in enumerate(zip(acts, block_fwd, block_bwd))),
+                                      key=lambda b: (-b[0] / b[1] if b[1] else -math.inf, b[2]))
         # one stage holds the largest block: its forward, its backward with its parameters' gradient traffic
         block_bwd_traffic = [b + model.gradient_traffic_s(p) * stretch for b, p in zip(block_bwd, block_bytes)]
         self._max_fwd = _RangeBest(block_fwd, max)
@@ -168,21 +174,26 @@ class Remainder:
         own = self._own[start] - self._own[stop]
         return own * self.model.static_per_param_byte + self._act[start] - self._act[stop] - 5 * (stop - start)
 
-    def recomputed(self, ranges: list[tuple[int, int]], room: float, held: list[int]) -> float:
+    def recomputed(self, ranges: list[tuple[int, int]], room: float, held: list[int],
+                   rank_work: float = math.inf) -> float:
         """The least forward time per micro-batch that must be recomputed among the blocks of `ranges` when
         they go to ranks with `room` bytes in all, the ranks' stages holding `held` micro-batches at once (one
-        number per rank: the least of its stages'), as a relaxation (inf: they cannot fit at all).
+        number per rank: the least of its stages'), each rank's blocks at most `rank_work` of forward +
+        backward per micro-batch, as a relaxation (inf: they cannot fit at all).
 
         A recomputed block keeps one micro-batch's activations, any other `held` of them, on a rank that
-        holds at most its room of them: so keeping costs (held - 1) x its activations more, out of the room
-        left when everything is recomputed. The blocks whose forward saves most per byte are kept first, on
-        the ranks where keeping costs least, in part where the room runs out; the rest is recomputed."""
+        holds at most its room of them, and at most those of the blocks it runs (`most_activations`): so
+        keeping costs (held - 1) x its activations more, out of the room left when everything is recomputed.
+        The blocks whose forward saves most per byte are kept first, on the ranks where keeping costs least, in
+        part where a rank's share or the room runs out; the rest is recomputed."""
         inside = lambda i: any(a <= i < b for a, b in ranges)  # noqa: E731
         slack = room - sum(self.quick_memory(a, b) for a, b in ranges)  # with everything recomputed
         if slack < 0:
             return math.inf
         per_rank = room / len(held)
-        slots = sorted((h - 1, per_rank / h) for h in held)  # (extra bytes per byte kept, bytes it can keep)
+        most = self.most_activations(ranges, rank_work)
+        # (extra bytes per byte kept, bytes it can keep)
+        slots = sorted((h - 1, min(per_rank / h, most)) for h in held)
         slot, kept_here = 0, 0.0
         forward = 0.0
         for acts, _, fwd, i in reversed(self._blocks):  # the most forward per byte first
@@ -202,6 +213,20 @@ class Remainder:
             if keep > 0:
                 forward += fwd * keep / acts
         return forward
+
+    def most_activations(self, ranges: list[tuple[int, int]], work: float) -> float:
+        """The most activations (one micro-batch's) of any blocks of `ranges` whose forward + backward add up to
+        at most `work` per micro-batch, taking blocks in part (a fractional knapsack: the most activations per
+        second of work first)."""
+        most = 0.0
+        for acts, cost, i in self._by_activations:
+            if not any(a <= i < b for a, b in ranges):
+                continue
+            if cost > work:
+                return most + acts * work / cost
+            most += acts
+            work -= cost
+        return most
 
     def stage_tail(self, param_bytes: float) -> float:
         """The least tail of a stage whose parameters take `param_bytes`."""
@@ -254,36 +279,70 @@ class Remainder:
 def layout_bound(model: CostModel, refined: bool = False) -> float:
     """No plan of this layout steps faster (math.inf: none fits memory). `refined`: also count the forwards
     that memory forces to recompute (this needs the schedule's orders, so it is left for the layouts that the
-    quick bound does not rule out)."""
+    quick bound does not rule out).
+
+    What memory forces depends on how the blocks spread over the ranks: a rank that holds few micro-batches
+    at once could keep every activation, were it not that its blocks' work, M times over, is at most the
+    makespan. So for a makespan T, each rank's blocks do at most T / M of forward + backward: makespan(T), the
+    bound with what that forces to recompute, grows as T shrinks, and every plan's makespan is at least T or
+    at least makespan(T). The largest T with makespan(T) >= T (found by bisection) bounds every plan."""
     lay = model.layout
     rest = Remainder(model)
     s, p, m = lay.num_stages, lay.pipeline_size, lay.micro_batches
     if rest.memory(0) > p * model.capacity:
         return math.inf
     position = [model.ranks[k][0] % p for k in range(s)]
-    held = [min(model.in_flight[k] for k in range(s) if position[k] == r) for r in range(p)]
-    forced = rest.recomputed([(0, model.num_blocks)], p * model.capacity, held) if refined else 0.0
-    if forced == math.inf:
-        return math.inf
-    work = rest.work(0, s) + forced
-    makespan = m * work / p
-    if gradients_return(lay.schedule):
-        makespan = max(makespan, work if m == 1 else work / (1.0 - ((m - 1) / m) ** s))
-        # rank r starts after micro-batch 0 went through the stages before its first one, k_r of them, and
-        # runs its M (forward + backward) from there: at least k_r blocks' work, then its share of M x work
-        firsts = [position.index(r) for r in range(p)]
-        makespan = max(makespan, water_level([rest.least_stages_work(k) for k in firsts], m * work))
-    if lay.schedule in ("GPipe", "LoopedBFS"):
-        makespan = max(makespan, gpipe(rest.fwd(0, s) + rest.bwd(0, s) + forced + 2 * rest.sends(0, s), m,
-                                       rest.max_fwd(0, s), max(rest.max_bwd(0, s), (rest.bwd(0, s) + forced) / s)))
+
+    def makespan_bound(forced: float) -> float:
+        work = rest.work(0, s) + forced
+        makespan = m * work / p
+        if gradients_return(lay.schedule):
+            makespan = max(makespan, work if m == 1 else work / (1.0 - ((m - 1) / m) ** s))
+            # rank r starts after micro-batch 0 went through the stages before its first one, k_r of them, and
+            # runs its M (forward + backward) from there: at least k_r blocks' work, then its share of M x work
+            firsts = [position.index(r) for r in range(p)]
+            makespan = max(makespan, water_level([rest.least_stages_work(k) for k in firsts], m * work))
+        if lay.schedule in ("GPipe", "LoopedBFS"):
+            makespan = max(makespan, gpipe(rest.fwd(0, s) + rest.bwd(0, s) + forced + 2 * rest.sends(0, s), m,
+                                           rest.max_fwd(0, s),
+                                           max(rest.max_bwd(0, s), (rest.bwd(0, s) + forced) / s)))
+        return makespan
+
+    forced, makespan = 0.0, makespan_bound(0.0)
+    if refined:
+        held = [min(model.in_flight[k] for k in range(s) if position[k] == r) for r in range(p)]
+        everything = [(0, model.num_blocks)]
+        forced = rest.recomputed(everything, p * model.capacity, held)
+        if forced == math.inf:
+            return math.inf
+        makespan = makespan_bound(forced)
+        bounded = lambda t: makespan_bound(rest.recomputed(everything, p * model.capacity, held, t / m))  # noqa: E731
+        makespan = max(makespan, _crossing(bounded, makespan))
     if stages_per_rank(lay.schedule) == 1:
         tail = rest.largest_stage_tail(0, s)
     else:
         tail = max(rest.stage_tail(rest.largest_block_bytes(0)), rest.tail_total(0) / p)
     # a rank's step is at least its actions, the collectives of its stages' sharding and its tail: on average
     # over the ranks, at least every stage's work and the least rate a sharding costs each byte
-    busy = (m * work + model.least_per_step_s_per_byte * rest.param_bytes(0)) / p
+    busy = (m * (rest.work(0, s) + forced) + model.least_per_step_s_per_byte * rest.param_bytes(0)) / p
     return max(makespan + tail, busy) + model.step_overhead_s
+
+
+def _crossing(bounded, lowest: float, steps: int = 24) -> float:
+    """For `bounded`, a lower bound of the makespan given that it is below its argument (non-increasing in it):
+    the largest t (within 2^-steps of the range, rounded down) with bounded(t) >= t, from `lowest`, where
+    bounded(lowest) >= lowest holds. Every makespan is at least it: were one below, it would be below t and
+    so at least bounded(t) >= t."""
+    lo, hi = lowest, bounded(lowest)
+    for _ in range(steps):
+        if hi <= lo:
+            break
+        mid = (lo + hi) / 2
+        if bounded(mid) >= mid:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def gradients_return(schedule: str) -> bool:

@@ -242,6 +242,15 @@ def _first(lowest: int, highest: int, holds) -> int:
     return lo
 
 
+def _spread(micro_batches: int, stages: int) -> float:
+    """W / this is the per-stage bound of work W split into `stages` stages (Remainder.chain). The stages
+    after a rank's from their place (`_later_ranks_bound`) take at least the quick work of the rank's stage
+    plus that of the blocks after it over this: a block moved from the rank's stage to those after adds at
+    least as much as it takes away, so the stops' `too_short` may cut with it (it only grows as the stage
+    shrinks)."""
+    return 1.0 if micro_batches == 1 else 1.0 - ((micro_batches - 1) / micro_batches) ** stages
+
+
 def _put(values: tuple, index: int, value) -> tuple:
     return values[:index] + (value,) + values[index + 1:]
 
@@ -434,23 +443,24 @@ class PartitionSearch:
 
     def _warmup_bound(self, position: int, stop: int, child: _Path) -> float:
         """A rank's first backward (of stage k) waits both for its warm-up forwards and for micro-batch 0's
-        round trip from stage k through the later stages; all its other actions come after it, and after the
-        last one the gradient still goes back to stage 0. (For 1F1B: warm-up w, the first backward waits for
-        max((w - 1) f, round trip) after the first forward.) Not for zero-bubble schedules, whose round trip
-        needs only the input-gradient half of each backward."""
+        round trip from stage k through the later stages; the backward of its last forward waits for that
+        micro-batch's round trip in the same way; and after its last action the gradient still goes back to
+        stage 0 (`_Warmup.bound`). (For 1F1B: warm-up w, the first backward waits for max((w - 1) f, round
+        trip) after the first forward.) Not for zero-bubble schedules, whose round trip needs only the
+        input-gradient half of each backward."""
         lay, rest, stages = self.model.layout, self.rest, child.stages
         left = lay.num_stages - len(stages)
-        warmup = self.warmups[position]
-        warm = sum(count * stages[s].fwd_s for s, count in warmup.forwards)
-        k = warmup.first_backward
-        # from the end of F(k, 0) to the start of B(k, 0): the chosen stages after k, then the others
-        round_trip = (child.fwd_prefix - child.fwd_at[k] - stages[k].fwd_s
-                      + child.bwd_prefix - child.bwd_at[k] - stages[k].bwd_s)
-        if left:
-            round_trip += rest.work(stop, left) + 2 * rest.sends(stop, left)
+        later = rest.work(stop, left) + 2 * rest.sends(stop, left) if left else 0.0
+
+        def round_trip(k: int) -> float:
+            """From the end of F(k, i) to the start of B(k, i): the chosen stages after k, then the others."""
+            return (child.fwd_prefix - child.fwd_at[k] - stages[k].fwd_s
+                    + child.bwd_prefix - child.bwd_at[k] - stages[k].bwd_s + later)
+
         first = min(s for s, p in enumerate(self.position) if p == position)
-        start = max(child.fwd_at[first] + warm, child.fwd_at[k] + stages[k].fwd_s + round_trip)
-        return start + lay.micro_batches * child.rank_work[position] - warm + child.bwd_at[warmup.last]
+        return self.warmups[position].bound(
+            [c.fwd_s for c in stages], [c.bwd_s for c in stages], child.fwd_at, child.bwd_at, round_trip,
+            child.fwd_at[first], lay.micro_batches * child.rank_work[position])
 
     def _rest_bound(self, stage: int, stop: int, child: _Path) -> float:
         """What the stages after `stage` add to the per-stage and per-rank bounds, whatever their split."""
@@ -530,6 +540,8 @@ class PartitionSearch:
             for first in self._options(r, c, e):
                 for g in self._second_stops(r, d, e, x, state, first):
                     for second in self._options(r + p, d, g):
+                        if first.memory.total + second.memory.total > self.capacity:
+                            continue  # the rank's stages do not fit together (as _pair_child checks): no node spent
                         self.nodes += 1
                         if self.nodes > self.budget:
                             self.complete = False
@@ -563,9 +575,12 @@ class PartitionSearch:
                 return True
             return False
 
+        spread = _spread(m, left)
+
         def too_short(e: int) -> bool:
             return (rank_start + m * (rest.quick_work(e, x, left) + later_least) / left >= limit
-                    or rest.quick_memory(e, x) > left * capacity)
+                    or rank_start + rest.quick_work(c, e, 1) + rest.quick_work(e, x, left) / spread >= limit
+                    or rest.quick_memory(e, x) > left * capacity or not rest.fits(e, [capacity] * left, x))
 
         yield from self._outwards(c, c + 1, x - left, x, left + 1, too_long, too_short)
 
@@ -595,9 +610,12 @@ class PartitionSearch:
                 return True
             return False
 
+        spread = _spread(m, left)
+
         def too_short(g: int) -> bool:
             return (later + m * (first_rest + rest.quick_work(g, n, left)) / left >= limit
-                    or rest.quick_memory(g, n) > room_after)
+                    or before + rest.quick_work(d, g, 1) + rest.quick_work(g, n, left) / spread >= limit
+                    or rest.quick_memory(g, n) > room_after or not rest.fits(g, [self.capacity] * left))
 
         yield from self._outwards(d, d + 1, n - left, n, left + 1, too_long, too_short)
 
@@ -713,14 +731,12 @@ class PartitionSearch:
         r, u, first, second = step.r, step.u, step.first, step.second
         f1, b1 = state.fwd1, state.bwd1
         fwd_u, bwd_u, total_f, total_b = ends
-        fwd_at, bwd_at, costs = {r: f1, u: fwd_u}, {r: b1, u: bwd_u}, {r: first, u: second}
-        warmup = self.warmups[r]
-        warm = sum(count * costs[s].fwd_s for s, count in warmup.forwards)
-        k = warmup.first_backward
-        round_trip = total_f - fwd_at[k] - costs[k].fwd_s + total_b - bwd_at[k] - costs[k].bwd_s
+        fwd_at, bwd_at = {r: f1, u: fwd_u}, {r: b1, u: bwd_u}
+        fwd, bwd = {r: first.fwd_s, u: second.fwd_s}, {r: first.bwd_s, u: second.bwd_s}
+        round_trip = lambda k: total_f - fwd_at[k] - fwd[k] + total_b - bwd_at[k] - bwd[k]  # noqa: E731
         rank_work = first.work_s + second.work_s
         return [f1 + b1 + m * rank_work, fwd_u + bwd_u + m * second.work_s,
-                max(f1 + warm, fwd_at[k] + costs[k].fwd_s + round_trip) + m * rank_work - warm + bwd_at[warmup.last]]
+                self.warmups[r].bound(fwd, bwd, fwd_at, bwd_at, round_trip, f1, m * rank_work)]
 
     def _later_ranks_bound(self, state: "_Pairs", step: "_Step", ends: tuple[float, ...]) -> float | None:
         """What the ranks after this one add, whatever the split of the blocks left (None: they cannot fit):
@@ -855,6 +871,11 @@ class _Warmup:
     forwards: tuple[tuple[int, int], ...]  # (stage, how many) of the forwards it runs before its first backward
     first_backward: int  # the stage of its first backward
     last: int  # the stage of its last action
+    # the stage of its last forward, when that comes after its first backward (else None), and (stage, how many)
+    # of the backwards after it: those before that micro-batch's own backward there, and the rest
+    last_forward: int | None = None
+    cooldown_before: tuple[tuple[int, int], ...] = ()
+    cooldown: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, order) -> "_Warmup":
@@ -864,4 +885,38 @@ class _Warmup:
             if op != "F":
                 break
             counts[stage] = counts.get(stage, 0) + 1
-        return cls(tuple(counts.items()), first, order[-1][0])
+        last_forward = max(i for i, (_, op, _) in enumerate(order) if op == "F")
+        stage, _, micro_batch = order[last_forward]
+        after = order[last_forward + 1:]
+        # every forward before the first backward (GPipe), or backwards split in two (zero-bubble schedules, for
+        # which the bounds use none of this)
+        if last_forward < sum(counts.values()) or (stage, "B", micro_batch) not in after:
+            return cls(tuple(counts.items()), first, order[-1][0])
+        own = after.index((stage, "B", micro_batch))
+        return cls(tuple(counts.items()), first, order[-1][0], stage, _counts(after[:own]), _counts(after[own:]))
+
+    def bound(self, fwd, bwd, fwd_at, bwd_at, round_trip, start: float, work: float) -> float:
+        """The rank's makespan at least, from its stages' forward and backward (fwd[s], bwd[s]), the prefixes
+        where they start (fwd_at[s], bwd_at[s]), micro-batch 0's round trip from the end of a stage's forward
+        to the start of its backward there (round_trip(s)), where its first action may start, and all its
+        actions' time. Its first backward waits for its warm-up forwards and for that micro-batch's round trip
+        through the later stages; the actions up to its last forward follow one by one; that forward's own
+        backward waits for the same round trip (the backwards in between run meanwhile), the last ones follow,
+        and after the last the gradient still goes back to stage 0."""
+        warm = sum(count * fwd[s] for s, count in self.forwards)
+        k = self.first_backward
+        first = max(start + warm, fwd_at[k] + fwd[k] + round_trip(k))
+        if self.last_forward is None:
+            return first + work - warm + bwd_at[self.last]
+        before = sum(count * bwd[s] for s, count in self.cooldown_before)
+        after = sum(count * bwd[s] for s, count in self.cooldown)
+        ending = max(before, round_trip(self.last_forward)) + after
+        return first + work - warm - before - after + ending + bwd_at[self.last]
+
+
+def _counts(actions) -> tuple[tuple[int, int], ...]:
+    """(stage, how many) of these actions, by stage."""
+    counts: dict[int, int] = {}
+    for stage, _, _ in actions:
+        counts[stage] = counts.get(stage, 0) + 1
+    return tuple(counts.items())
