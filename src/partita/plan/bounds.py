@@ -186,18 +186,18 @@ class Remainder:
         keeping costs (held - 1) x its activations more, out of the room left when everything is recomputed.
         The blocks whose forward saves most per byte are kept first, on the ranks where keeping costs least, in
         part where a rank's share or the room runs out; the rest is recomputed."""
-        inside = lambda i: any(a <= i < b for a, b in ranges)  # noqa: E731
+        inside = _mask(self.n, ranges)
         slack = room - sum(self.quick_memory(a, b) for a, b in ranges)  # with everything recomputed
         if slack < 0:
             return math.inf
         per_rank = room / len(held)
-        most = self.most_activations(ranges, rank_work)
+        most = self.most_activations(ranges, rank_work) if rank_work < math.inf else math.inf
         # (extra bytes per byte kept, bytes it can keep)
         slots = sorted((h - 1, min(per_rank / h, most)) for h in held)
         slot, kept_here = 0, 0.0
         forward = 0.0
         for acts, _, fwd, i in reversed(self._blocks):  # the most forward per byte first
-            if not inside(i):
+            if not inside[i]:
                 continue
             keep = acts
             while keep > 0 and slot < len(slots):
@@ -219,8 +219,9 @@ class Remainder:
         at most `work` per micro-batch, taking blocks in part (a fractional knapsack: the most activations per
         second of work first)."""
         most = 0.0
+        inside = _mask(self.n, ranges)
         for acts, cost, i in self._by_activations:
-            if not any(a <= i < b for a, b in ranges):
+            if not inside[i]:
                 continue
             if cost > work:
                 return most + acts * work / cost
@@ -370,6 +371,14 @@ def water_level(floors: list[float], volume: float) -> float:
             return ordered[i - 1] + volume / i
         volume -= room
     return ordered[-1] + volume / len(ordered)
+
+
+def _mask(n: int, ranges: list[tuple[int, int]]) -> bytearray:
+    """Per block of n: 1 if in one of the ranges."""
+    inside = bytearray(n)
+    for a, b in ranges:
+        inside[a:b] = b"\x01" * (b - a)
+    return inside
 
 
 def _suffix_sums(values: list[float]) -> list[float]:

@@ -540,12 +540,12 @@ class PartitionSearch:
             for first in self._options(r, c, e):
                 for g in self._second_stops(r, d, e, x, state, first):
                     for second in self._options(r + p, d, g):
-                        if first.memory.total + second.memory.total > self.capacity:
-                            continue  # the rank's stages do not fit together (as _pair_child checks): no node spent
                         self.nodes += 1
                         if self.nodes > self.budget:
                             self.complete = False
                             return
+                        if first.memory.total + second.memory.total > self.capacity:
+                            continue  # the rank's stages do not fit together (as _pair_child checks)
                         child = self._pair_child(r, e, g, x, state, first, second)
                         if child is not None:
                             self._pair(r + 1, e, g, x, child)
@@ -580,7 +580,7 @@ class PartitionSearch:
         def too_short(e: int) -> bool:
             return (rank_start + m * (rest.quick_work(e, x, left) + later_least) / left >= limit
                     or rank_start + rest.quick_work(c, e, 1) + rest.quick_work(e, x, left) / spread >= limit
-                    or rest.quick_memory(e, x) > left * capacity or not rest.fits(e, [capacity] * left, x))
+                    or rest.quick_memory(e, x) > left * capacity)
 
         yield from self._outwards(c, c + 1, x - left, x, left + 1, too_long, too_short)
 
@@ -615,7 +615,7 @@ class PartitionSearch:
         def too_short(g: int) -> bool:
             return (later + m * (first_rest + rest.quick_work(g, n, left)) / left >= limit
                     or before + rest.quick_work(d, g, 1) + rest.quick_work(g, n, left) / spread >= limit
-                    or rest.quick_memory(g, n) > room_after or not rest.fits(g, [self.capacity] * left))
+                    or rest.quick_memory(g, n) > room_after)
 
         yield from self._outwards(d, d + 1, n - left, n, left + 1, too_long, too_short)
 
