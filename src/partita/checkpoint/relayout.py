@@ -69,6 +69,7 @@ def relayout(model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimiz
                            "PARTITA_SWITCH_LAYOUT=off (or with the arguments rank 0 named).") from e
     if rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
-        log.info("partita: switched layouts in %s (saved, rebuilt and loaded through %s); %s",
+        log.info("partita: switched layouts in %s (saved, rebuilt and loaded through %s); the model's parameters "
+                 "are new tensors (the optimizer steps them; a list of them taken before is stale): %s",
                  seconds(time.perf_counter() - started), directory, new.plan.explain())
     return new
