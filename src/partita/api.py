@@ -29,7 +29,7 @@ from partita.plan.choose import simulate_plan
 from partita.plan.plan import check_sharding
 from partita.planning import Planned, PlanRequest, agreed_plan, agreed_switch, review_step
 from partita.runtime import agreement
-from partita.runtime.batch import Call, local_rows, loss_of, split_target
+from partita.runtime.batch import Call, local_rows, loss_of, sizes_beyond_batch, split_target
 from partita.runtime.build import build_runtime
 from partita.runtime.materialize import Initial, InitFn, check_devices, initial_of
 from partita.runtime.optim import optimizer_state_factor
@@ -56,6 +56,7 @@ class ParallelModule(nn.Module):
         self._planned: Planned | None = None
         self._graph: ModelGraph | None = None
         self._clock: StepClock | None = None
+        self._sizes_seen: set[tuple] = set()  # the inputs' sizes beyond the batch, in the calls the clock timed
         self._capture: tuple[CapturedGraph, CallSignature] | None = None  # the first call's, and its signature
         self._input_dtypes: list[InputDtype] = []
         self._parameter_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
@@ -90,6 +91,7 @@ class ParallelModule(nn.Module):
             self._setup(call)
         training = self.module.training and torch.is_grad_enabled()
         if not self._clock.done:
+            self._sizes_seen.add(sizes_beyond_batch(call))
             self._time_step(call, training, called_s)
         result = self._runtime(call)
         if training and not self._clock.done:
@@ -105,7 +107,7 @@ class ParallelModule(nn.Module):
         if measured_s is None:
             return
         faster = agreed_switch(lambda: review_step(self._planned, self._graph, self._request, measured_s),
-                               self.module, self._runtime.plan)
+                               self.module, self._runtime.plan, sizes_beyond_batch(call), len(self._sizes_seen) > 1)
         if faster is not None:
             self._runtime = relayout(self, self.module, self._optimizer, self._runtime,
                                      lambda initial: self._build(faster.plan, call, initial))

@@ -185,10 +185,13 @@ def _choices(plan: Plan) -> str:
             f"{sharding}")
 
 
-def agreed_switch(review: Callable[[], Review], module: nn.Module, plan: Plan) -> Planned | None:
+def agreed_switch(review: Callable[[], Review], module: nn.Module, plan: Plan, sizes: tuple,
+                  sizes_varied: bool) -> Planned | None:
     """Collective, at the call where every rank's step clock completed: rank 0 reviews the measured step with
     `review` and says what it found. The plan to switch to (on rank 0 with what it was made from), the same on
-    every rank, or None to keep `plan`. Rank 0's failure to review raises on every rank."""
+    every rank, or None to keep `plan`. Rank 0's failure to review raises on every rank. `sizes`: this call's
+    inputs' sizes beyond the batch (`runtime.batch.sizes_beyond_batch`); `sizes_varied`: whether they varied
+    over this rank's calls so far."""
     world = env.world()
     said = problem = None
     if world.rank == 0:
@@ -199,15 +202,17 @@ def agreed_switch(review: Callable[[], Review], module: nn.Module, plan: Plan) -
                                    InternalError(f"rank 0 failed to review the measured step: {type(e).__name__}: {e}"))
     faster = said.faster.plan.to_json() if said is not None and said.faster is not None else None
     enabled = settings.switch_layout_enabled() if world.rank == 0 else None  # rank 0's setting holds for all
-    mine = (faster, enabled, problem, _holds_gradients(module))
+    mine = (faster, enabled, problem, _holds_gradients(module), sizes, sizes_varied)
     every = [mine]
     if world.world_size > 1:
         every = [None] * world.world_size
         dist.all_gather_object(every, mine)
-    faster, enabled, problem, _ = every[0]
+    faster, enabled, problem, _, first_sizes, _ = every[0]
     if problem is not None:
         raise problem.error(named=False)
-    why = None if faster is None else _why_kept(enabled, world, plan, [r for r, m in enumerate(every) if m[3]])
+    varied = [r for r, m in enumerate(every) if m[5] or m[4] != first_sizes]
+    why = None if faster is None else _why_kept(enabled, world, plan, Plan.from_json(faster),
+                                                [r for r, m in enumerate(every) if m[3]], varied)
     if world.rank == 0:
         env.log_to_stderr()
         ending = "" if faster is None else (". Switching to it" if why is None else
@@ -224,8 +229,10 @@ def _holds_gradients(module: nn.Module) -> bool:
     return any(p.grad is not None and bool(local_part(p.grad).ne(0).any()) for p in module.parameters())
 
 
-def _why_kept(enabled: bool, world: env.World, plan: Plan, holding_gradients: list[int]) -> str | None:
-    """Why the job cannot switch layouts at this call; None if it can."""
+def _why_kept(enabled: bool, world: env.World, plan: Plan, faster: Plan, holding_gradients: list[int],
+              sizes_varied: list[int]) -> str | None:
+    """Why the job cannot switch from `plan` to `faster` at this call; None if it can. `sizes_varied`: the ranks
+    whose inputs' sizes beyond the batch varied over their calls or differ from rank 0's at this one."""
     if not enabled:
         return "PARTITA_SWITCH_LAYOUT=off"
     if world.num_nodes > 1:
@@ -237,4 +244,9 @@ def _why_kept(enabled: bool, world: env.World, plan: Plan, holding_gradients: li
         ranks = ", ".join(map(str, holding_gradients))
         return (f"rank{'s' if len(holding_gradients) > 1 else ''} {ranks} hold gradients from an earlier call "
                 "(accumulated over calls, or zeroed only after the call), which a switch would drop")
+    if sizes_varied and plan.runs_under_ddp and not faster.runs_under_ddp:
+        ranks = ", ".join(map(str, sizes_varied))
+        return (f"the inputs' sizes beyond the batch vary (on rank{'s' if len(sizes_varied) > 1 else ''} {ranks}, "
+                "over calls or between ranks): data parallelism lets every rank pass its own, partita's pipelined "
+                "runtime needs them alike on every rank in each call")
     return None

@@ -71,3 +71,14 @@ def test_a_switch_that_cannot_save_keeps_the_layout_on_every_rank(pools):
     said, kept = results[0]["said"]
     assert said.endswith("Switching to it") and "/nonexistent/partita-test" in kept, kept
     assert kept.endswith("the job keeps its layout"), kept
+
+
+def test_inputs_whose_sizes_vary_keep_data_parallelism(pools):
+    """DDP lets each call (and rank) pass sequences of its own length; partita's pipelined runtime does not, so a
+    job whose inputs varied keeps DDP rather than switching to a layout its next call would fail under."""
+    results = pools.run(2, "support.cases:layout_switch_with_varying_sizes")
+    for rank, r in enumerate(results):
+        assert len(r["plans"]) == 1, (rank, r)
+    (said,) = results[0]["said"]
+    assert "another layout is faster" in said, said
+    assert "This job keeps its layout (the inputs' sizes beyond the batch vary (on ranks 0, 1" in said, said

@@ -792,3 +792,24 @@ def layout_switch(optimizer: str, steps: int = 12, switch: str = "on", delay_s: 
     held = sorted(n for n, t in model.state_dict(keep_vars=True).items() if not t.is_meta)
     return {"diffs": side.diffs.result(), "plans": plans, "held": held,
             "said": [s for s in said if "a training step takes" in s or s.startswith("partita: ")]}
+
+
+@mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate", "PARTITA_SWITCH_LAYOUT": "on"})
+def layout_switch_with_varying_sizes(steps: int = 10) -> dict:
+    """The embedding model under DDP with a slow loss (as layout_switch), its sequences 5 and 7 tokens long in
+    turn: the plans it ran under and what rank 0 said."""
+    torch.manual_seed(0)
+    case = CASES["embedding"]
+    model = case.make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plans = []
+    with _partita_log() as said:
+        pm = partita.parallelize(model, opt, loss_fn=_SlowLoss(case.loss_fn, 0.05), micro_batches=1)
+        for step in range(steps):
+            ids = torch.randint(0, 40, (8, 5 + 2 * (step % 2)), generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            pm(ids, torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(step))).backward()
+            opt.step()
+            if not plans or plans[-1] != pm.plan.to_json():
+                plans.append(pm.plan.to_json())
+    return {"plans": plans, "said": [s for s in said if "a training step takes" in s]}

@@ -90,6 +90,12 @@ class Call:
         return self.agreement.rows()
 
 
+def sizes_beyond_batch(call: Call) -> tuple[tuple[int, ...], ...]:
+    """Each tensor input's, and the target's, sizes beyond the batch dimension: data parallelism lets them differ
+    between ranks and calls (each rank pads its own sequences), partita's pipelined runtime does not."""
+    return tuple(tuple(t.shape[1:]) for t in call.tensors + ([call.target] if call.target is not None else []))
+
+
 def split_target(args: tuple, kwargs: dict, *, with_loss: bool) -> tuple[tuple, torch.Tensor | None,
                                                                           BatchError | None]:
     """(inputs, target, problem): with a loss function, the last positional argument is the target."""
