@@ -1,8 +1,9 @@
 """Which GPU a rank computes on: local rank r takes the node's r-th visible GPU, so a node needs a visible GPU per
 rank. Under Slurm's `--gpus-per-task`, each task sees only GPUs of its own (Slurm binds them per task): a rank
 then computes on the first GPU it sees. Checked before CUDA is touched, on every rank of the node alike (each
-compares its node's rank count, not its own index), so that every rank stops with the same error: CUDA's own, "invalid device ordinal", names
-neither number, and two ranks on one GPU would get through to NCCL, which refuses to join them.
+compares its node's rank count, not its own index), so that every rank stops with the same error: CUDA's own,
+"invalid device ordinal", names neither number, and two ranks on one GPU would get through to NCCL, which
+refuses to join them.
 
 Pure: the counts and CUDA_VISIBLE_DEVICES are given, so the decision is tested without a GPU.
 """
