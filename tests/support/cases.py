@@ -11,7 +11,6 @@ import contextlib
 import copy
 import dataclasses
 import io
-import logging
 import math
 import os
 import tempfile
@@ -26,6 +25,7 @@ import partita
 from partita.runtime import agreement
 from partita.runtime.ownership import named_state
 from partita.schedule.catalog import stages_per_rank
+from support.logs import partita_log
 from support.zoo import CASES, Case
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -708,30 +708,13 @@ def gradient_sums(schedule: str, style: str, bucket_bytes: int, overlap: str = "
     return {"started_during": pm.runtime.grads.started_during, "held": sorted(pm.plan.stages_of(rank)), "far": far}
 
 
-@contextlib.contextmanager
-def _partita_log():
-    """The messages partita logs while the block runs (at INFO and above)."""
-    said: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())
-    logger = logging.getLogger("partita")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)  # clears the loggers' cached levels, which assigning `level` would not
-    try:
-        yield said
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def step_review(steps: int = 10) -> dict:
     """Train the MLP for `steps` steps with its optimizer: what partita said about the measured step."""
     torch.manual_seed(0)
     case = CASES["mlp"]
     model = case.make()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with _partita_log() as said:
+    with partita_log() as said:
         pm = partita.parallelize(model, opt, loss_fn=case.loss_fn, stages=2, micro_batches=2)
         args, _, target = case.batch(8, torch.Generator().manual_seed(partita.get_rank()))
         walls = []
@@ -775,7 +758,7 @@ def layout_switch(optimizer: str, steps: int = 12, switch: str = "on", delay_s: 
     failing = (mock.patch("partita.checkpoint.relayout.unmaterialize", side_effect=OSError("no memory left"))
                if partita.get_rank() == fail_on_rank else contextlib.nullcontext())
     plans, error = [], None
-    with _partita_log() as said, mock.patch.dict(os.environ, {"PARTITA_SWITCH_LAYOUT": switch}), failing, \
+    with partita_log() as said, mock.patch.dict(os.environ, {"PARTITA_SWITCH_LAYOUT": switch}), failing, \
             mock.patch.object(tempfile, "tempdir", tmp or tempfile.gettempdir()):
         try:
             pm = partita.parallelize(model, opt, loss_fn=_SlowLoss(case.loss_fn, delay_s), **plan_args)
@@ -803,7 +786,7 @@ def layout_switch_with_varying_sizes(steps: int = 10) -> dict:
     model = case.make()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     plans = []
-    with _partita_log() as said:
+    with partita_log() as said:
         pm = partita.parallelize(model, opt, loss_fn=_SlowLoss(case.loss_fn, 0.05), micro_batches=1)
         for step in range(steps):
             ids = torch.randint(0, 40, (8, 5 + 2 * (step % 2)), generator=torch.Generator().manual_seed(step))

@@ -1,7 +1,6 @@
 """What rank 0 says while it measures: what is measured, about how long it takes, and that the results are
 cached (PARTITA_CACHE_DIR), in words a user understands."""
 
-import logging
 
 import pytest
 import torch
@@ -10,23 +9,14 @@ from partita.capture.export import capture
 from partita.capture.model_graph import model_graph
 from partita.profile import _announce
 from partita.profile.block_times import _about, _progress, measure_blocks
+from support.logs import partita_log
 
 
 @pytest.fixture
 def said():
     """The lines partita logs, whatever handlers earlier tests left on its logger."""
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("partita")
-    level, disabled = logger.level, logger.disabled
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.disabled = False
-    yield lines
-    logger.removeHandler(handler)
-    logger.setLevel(level)
-    logger.disabled = disabled
+    with partita_log() as lines:
+        yield lines
 
 
 def graph_of(layers=3, width=16, rows=4):
