@@ -12,6 +12,7 @@ from partita.cluster.cluster import RuntimeOverheads
 from partita.graph import Block, BlockCost, Fit, ModelGraph, Profile
 from partita.plan.bounds import Remainder, gpipe, layout_bound
 from partita.plan.cost import CostModel, Layout
+from partita.plan.rank_loads import RankLoads, StageFloors
 from partita.plan.search import Constraints, PartitionSearch, _Warmup, evaluate, layouts, search
 from partita.schedule import check_sizes, orders
 from partita.sim import StageCosts, simulate
@@ -319,6 +320,32 @@ def test_rank_by_rank_bounds_never_exceed_a_completions_makespan(seed):
                 assert max(made) <= found.trace.makespan_s * (1 + 1e-12), (model.layout, cuts)
                 checked += 1
     assert checked > 50
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_rank_loads_never_cut_a_split_within_the_limit(seed):
+    """RankLoads (the least second-loop position from which the ranks after each one can still keep within a
+    makespan, block by block) accepts every state of every split whose simulated makespan is within its limit,
+    and rejects states of some splits (it cuts something)."""
+    checked = cut = 0
+    for model in looped_models(random.Random(900 + seed), 4, (6, 8)):
+        p, n = model.layout.pipeline_size, model.num_blocks
+        partitions = PartitionSearch(model)
+        floors = StageFloors(model)
+        warmups = [partitions.warmups[r].pair(r, r + p) for r in range(p)]
+        for cuts in itertools.combinations(range(1, n), 2 * p - 1):
+            ranges = list(zip((0,) + cuts, cuts + (n,)))
+            found = evaluate(model, ranges, [None] * (2 * p))
+            if found is None:
+                continue
+            x, makespan = ranges[p][0], found.trace.makespan_s
+            loads = RankLoads(floors, x, makespan * (1 + 1e-12), model.capacity, None, warmups)
+            for r in range(p):
+                assert loads.feasible(r, ranges[r][0], ranges[r + p][0]), (model.layout, cuts, r)
+            tighter = RankLoads(floors, x, makespan * 0.9, model.capacity, None, warmups)
+            cut += not all(tighter.feasible(r, ranges[r][0], ranges[r + p][0]) for r in range(p))
+            checked += 1
+    assert checked > 50 and cut > checked // 2, (checked, cut)
 
 
 def rank_ends_bound(order, costs, m):

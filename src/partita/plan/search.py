@@ -33,6 +33,7 @@ from partita.plan.constraints import Constraints
 from partita.plan.cost import CostModel, Layout, StageCost
 from partita.plan.explain import size
 from partita.plan.partition import balance
+from partita.plan.rank_loads import RankLoads, StageFloors
 from partita.plan.plan import FSDP_LEVELS, divisors
 from partita.schedule import check_sizes, orders
 from partita.schedule.catalog import stages_per_rank
@@ -49,6 +50,8 @@ SEARCH_BUDGET = 25_000
 PROBE_BUDGET = 500  # nodes per layout in the first round (see `search`)
 ACTIONS_PER_NODE = 100  # a node costs about as much Python as simulating this many actions
 PRUNE_TOLERANCE = 1e-9  # relative: a plan this much faster than the best found does not count as faster
+CHECKS_PER_NODE = 16  # a node costs about as much as this many pairs of stages checked by RankLoads
+LOADS_REFRESH = 0.002  # relative: a better best step than this makes the ranks' load table again
 
 
 @dataclass(frozen=True)
@@ -285,6 +288,7 @@ class PartitionSearch:
         self.complete = True
         self.infeasible_reason = ""
         self.smallest_memory: int | None = None
+        self.loads: RankLoads | None = None
 
     @property
     def cutoff(self) -> float:
@@ -508,11 +512,35 @@ class PartitionSearch:
         prefix = self._work_prefix
         splits = sorted(range(p, n - p + 1), key=lambda x: (abs(2 * prefix[x] - prefix[n]), x))
         root = self._pair_root()
+        self.floors = StageFloors(self.model)
+        self.pair_warmups = [self.warmups[r].pair(r, r + lay.pipeline_size) for r in range(lay.pipeline_size)]
         for x in splits:
-            if self._split_bound(x) < self.cutoff:
+            if self._split_bound(x) < self.cutoff and self._loads_allow(x, 0, 0, x):
                 self._pair(0, 0, x, x, root)
             if not self.complete:
                 return
+
+    def _loads_allow(self, x: int, r: int, c: int, d: int) -> bool:
+        """Whether ranks r.. may still finish below the best step from blocks c and d on (`RankLoads`); what
+        the table costs counts against the budget."""
+        loads = self._rank_loads(x)
+        before = loads.checks
+        allowed = loads.feasible(r, c, d, (self.budget - self.nodes) * CHECKS_PER_NODE)
+        self.nodes += (loads.checks - before) // CHECKS_PER_NODE
+        if self.nodes > self.budget or loads.exhausted:
+            self.complete = False
+        return allowed and self.complete
+
+    def _rank_loads(self, x: int) -> RankLoads:
+        """The table of ranks' loads for the second loop starting at x, for the best step found so far (made
+        again when that has improved by more than LOADS_REFRESH since)."""
+        rest, p = self.rest, self.model.layout.pipeline_size
+        tail = self.model.step_overhead_s + max(rest.stage_tail(rest.largest_block_bytes(0)), rest.tail_total(0) / p)
+        limit = self.cutoff - tail
+        loads = self.loads
+        if loads is None or loads.x != x or limit < loads.limit_s * (1 - LOADS_REFRESH):
+            self.loads = loads = RankLoads(self.floors, x, limit, self.capacity, self.recompute, self.pair_warmups)
+        return loads
 
     def _pair_root(self) -> "_Pairs":
         lay = self.model.layout
@@ -592,6 +620,10 @@ class PartitionSearch:
         if not left:
             yield n
             return
+        # the ranks after this one must still keep within the best step from (e, g) on
+        if not self._loads_allow(x, r + 1, e, n - left):
+            return
+        least = self._rank_loads(x).least_second_start(r + 1, e)
         limit = self.cutoff - max(state.tails)
         rank_start = state.fwd1 + state.bwd1
         first_rest = rest.quick_work(e, x, left)
@@ -617,7 +649,7 @@ class PartitionSearch:
                     or before + rest.quick_work(d, g, 1) + rest.quick_work(g, n, left) / spread >= limit
                     or rest.quick_memory(g, n) > room_after)
 
-        yield from self._outwards(d, d + 1, n - left, n, left + 1, too_long, too_short)
+        yield from self._outwards(d, max(d + 1, least), n - left, n, left + 1, too_long, too_short)
 
     def _outwards(self, start: int, lowest: int, highest: int, stop: int, stages: int, too_long, too_short):
         """Ends of a stage from `start` in [lowest, highest] that are neither `too_long` (a condition that
@@ -894,6 +926,14 @@ class _Warmup:
             return cls(tuple(counts.items()), first, order[-1][0])
         own = after.index((stage, "B", micro_batch))
         return cls(tuple(counts.items()), first, order[-1][0], stage, _counts(after[:own]), _counts(after[own:]))
+
+    def pair(self, first: int, second: int) -> tuple[int, int, bool] | None:
+        """For RankLoads, of a rank running stages `first` and `second`: the forwards of each before its first
+        backward, and whether its last action is of `first`; None unless that backward is of `second`."""
+        if self.first_backward != second or self.last not in (first, second):
+            return None
+        counts = dict(self.forwards)
+        return counts.get(first, 0), counts.get(second, 0), self.last == first
 
     def bound(self, fwd, bwd, fwd_at, bwd_at, round_trip, start: float, work: float) -> float:
         """The rank's makespan at least, from its stages' forward and backward (fwd[s], bwd[s]), the prefixes

@@ -1,0 +1,303 @@
+"""Which partial plans of a looped layout can still step faster than a limit, from their ranks' loads alone.
+
+In a looped layout of P ranks, rank r runs stage r (blocks [c_r, c_{r+1}) of the first loop, [0, x)) and stage
+r + P (blocks [d_r, d_{r+1}) of the second, [x, n)). Three of the per-rank bounds hold for every plan (plan.bounds
+and plan.search's _Warmup say why): the rank's makespan is at least the work of every block before its first
+stage (micro-batch 0's way down, and its gradient's way back) plus M times its two stages' work; at least the
+work of every block before its second stage plus M times that stage's work; and at least micro-batch 0's way down
+to the end of its second stage and back from the stages after it, then all its work but its warm-up forwards,
+then the gradient's way back from its last stage. With the step's least tail added, a plan faster than the limit
+keeps all three within it on every rank.
+
+Each only grows when a stage gains a block at its start (M is at least the forwards it subtracts), and so does a
+stage's least memory: whether ranks r, r+1, ... can still keep within the limit from (c_r, d_r) therefore holds
+at most for the d_r from a least one on, which `least_second_start(r, c_r)` computes (for the stages' least
+costs, `StageFloors`) from that of rank r + 1, on demand and remembered. The search cuts every partial plan whose
+second-loop position is below it: the table sees the rest of the pipeline block by block, where the other bounds
+see averages (a rank takes whole blocks: with few of them per rank, the rank with the most work does much more
+than the average) and forced recomputation rank by rank.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+from partita.plan.cost import CostModel
+from partita.plan.plan import FSDP_LEVELS
+
+
+class StageFloors:
+    """Lower bounds of a stage's work (forward + backward per micro-batch) and memory, one pair per way to run it
+    (recomputation or not; its sharding: unsharded or ZeRO-1, or each of FSDP's levels that the layout allows),
+    each a sum over its blocks and so growing with every block it gains: what `CostModel.stage` costs at least,
+    whichever way it chooses."""
+
+    def __init__(self, model: CostModel):
+        self.model = model
+        graph, n, lay = model.graph, model.num_blocks, model.layout
+        stretch = model.compute_stretch
+        self.n, self.m = n, lay.micro_batches
+        self.fwd = [model.forward_s(0, i) - model.action_s for i in range(n + 1)]  # prefix sums
+        self.bwd = [model.backward_s(0, i, 0) - model.action_s for i in range(n + 1)]
+        self.act = [model.activation_bytes(0, i) for i in range(n + 1)]
+        self.action_s = model.action_s
+        self.traffic_per_byte = model.gradient_traffic_s(1.0) * stretch
+        # a parameter's bytes count at the first block that reads it (prefix sums); one read again by a later
+        # block (tied weights) counts for a stage that starts after its first reader and holds another. FSDP's
+        # levels shard the parameters that one block alone reads (exclusive) and keep the others whole
+        readers: dict[str, list[int]] = {}
+        for i, block in enumerate(graph.blocks):
+            for name in dict.fromkeys(block.params):
+                readers.setdefault(name, []).append(i)
+        own, exclusive = [0] * n, [0] * n
+        for name, blocks in readers.items():
+            own[blocks[0]] += graph.param_bytes[name]
+            if len(blocks) == 1:
+                exclusive[blocks[0]] += graph.param_bytes[name]
+        self.own, self.exclusive = _prefix(own), _prefix(exclusive)
+        self.shared = [(blocks, graph.param_bytes[name]) for name, blocks in readers.items() if len(blocks) > 1]
+        self.writes = _prefix([1 if b.writes_buffers else 0 for b in graph.blocks])
+        # every cut inside the model moves at least the least boundary, per micro-batch
+        self.least_boundary = min((model.boundary_bytes(c) for c in range(1, n)), default=0.0)
+        self.in_flight = model.in_flight
+        self._ways: dict[int, list[tuple[float, float, float, float]]] = {}
+        self._least_blocks: dict[tuple[int, bool | None], tuple[list[float], list[float]]] = {}
+        self._options: dict[tuple[int, int, int, bool | None], list[tuple[float, float, float]]] = {}
+
+    def ways(self, stage: int) -> list[tuple[float, float, float, float]]:
+        """Per way to shard `stage`: (static bytes per parameter byte, static bytes saved per exclusive byte,
+        per-micro-batch collective seconds per exclusive byte in the forward, in the backward)."""
+        if stage not in self._ways:
+            model, lay = self.model, self.model.layout
+            factor = model.optimizer_factor
+            out = []
+            plain = [s for s in model.shardings if s not in FSDP_LEVELS]
+            if plain:
+                share = min(1.0 / lay.num_replicas if s == "optimizer" else 1.0 for s in plain)
+                out.append((2 + factor * share, 0.0, 0.0, 0.0))
+            big = float(2**40)
+
+            def rate(collective) -> float:
+                one = model.fsdp_collective_s(collective, stage, big, 1)
+                return (model.fsdp_collective_s(collective, stage, 2 * big, 1) - one) / big * (1 - 1e-9)
+
+            for level in (s for s in model.shardings if s in FSDP_LEVELS):
+                gather, reduce = rate(model.cluster.allgather_s), rate(model.cluster.reduce_scatter_s)
+                saved = (2 + factor) * (1 - 1 / lay.num_replicas)
+                out.append((2 + factor, saved, gather if level == "parameters" else 0.0,
+                            reduce + (gather if level == "parameters" else 0.0)))
+            self._ways[stage] = out
+        return self._ways[stage]
+
+    def least_block(self, stage: int, start: int, recompute: bool | None) -> tuple[float, float]:
+        """The least work and the least memory (each on its own) of any one block from `start` on as `stage`."""
+        key = (stage, recompute)
+        if key not in self._least_blocks:
+            work, memory = [math.inf] * (self.n + 1), [math.inf] * (self.n + 1)
+            for b in range(self.n - 1, -1, -1):
+                options = self.options(stage, b, b + 1, recompute)
+                work[b] = min([work[b + 1], *(o[0] for o in options)])
+                memory[b] = min([memory[b + 1], *(o[1] for o in options)])
+            self._least_blocks[key] = (work, memory)
+        work, memory = self._least_blocks[key]
+        return work[start], memory[start]
+
+    def param_bytes(self, start: int, stop: int) -> int:
+        total = self.own[stop] - self.own[start]
+        for blocks, nbytes in self.shared:
+            if blocks[0] < start:
+                i = bisect.bisect_left(blocks, start)
+                if i < len(blocks) and blocks[i] < stop:
+                    total += nbytes
+        return total
+
+    def forward_before(self, stop: int, stages: int) -> float:
+        """The least forward of `stages` stages holding blocks [0, stop), per micro-batch."""
+        return self.fwd[stop] + stages * self.action_s
+
+    def backward_before(self, stop: int, stages: int) -> float:
+        return self.bwd[stop] + self.own[stop] * self.traffic_per_byte + stages * self.action_s
+
+    def work_after(self, start: int, stages: int) -> float:
+        """The least forward + backward of `stages` stages holding blocks [start, n), per micro-batch."""
+        n = self.n
+        return (self.fwd[n] - self.fwd[start] + self.bwd[n] - self.bwd[start]
+                + (self.own[n] - self.own[start]) * self.traffic_per_byte + 2 * stages * self.action_s)
+
+    def prefix_work(self, stop: int, stages: int) -> float:
+        """The least work of `stages` stages holding blocks [0, stop), per micro-batch."""
+        return (self.fwd[stop] + self.bwd[stop] + self.own[stop] * self.traffic_per_byte
+                + 2 * stages * self.action_s)
+
+    def options(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[tuple[float, float, float]]:
+        """(work, memory, forward) at least of blocks [start, stop) as `stage`, per way to run it (`recompute` None:
+        with recomputation and without); none dominated by another."""
+        key = (stage, start, stop, recompute)
+        found = self._options.get(key)
+        if found is None:
+            found = self._options[key] = _undominated(self._compute_options(stage, start, stop, recompute))
+        return found
+
+    def _compute_options(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[tuple[float, float, float]]:
+        model = self.model
+        params = self.param_bytes(start, stop)
+        exclusive = self.exclusive[stop] - self.exclusive[start]
+        fwd = self.fwd[stop] - self.fwd[start] + self.action_s
+        work = fwd + self.bwd[stop] - self.bwd[start] + params * self.traffic_per_byte + self.action_s
+        held = self.in_flight[stage]
+        acts = self.act[stop] - self.act[start]
+        # PipelineStage's receive buffers, and what recomputation keeps of a stage's inputs
+        inputs = self.least_boundary if stage > 0 else 0.0
+        outputs = self.least_boundary if stop < self.n else 0.0
+        fixed = self.m * (inputs + outputs) - 8 + (model.loss_bytes(held) if stop == self.n else 0.0)
+        # (the forward run again, the activations kept)
+        kept = [(0.0, acts * held)] if recompute is not True else []
+        if recompute is not False and self.writes[stop] == self.writes[start]:
+            kept.append((fwd, acts + inputs * held))
+        out = []
+        for per_byte, saved, coll_fwd, coll_bwd in self.ways(stage):
+            static = fixed + params * per_byte - exclusive * saved
+            collectives = exclusive * (coll_fwd + coll_bwd)
+            out.extend((work + collectives + redo, static + keep, fwd + exclusive * coll_fwd) for redo, keep in kept)
+        return out
+
+
+class RankLoads:
+    """For one looped layout and one start x of its second loop: the least second-loop position from which the
+    ranks can still finish below `limit_s` (a step time), by rank and first-loop position."""
+
+    def __init__(self, floors: StageFloors, x: int, limit_s: float, capacity: float, recompute: bool | None,
+                 warmups: list[tuple[int, int, bool] | None]):
+        model = floors.model
+        self.floors, self.x, self.capacity, self.recompute = floors, x, capacity, recompute
+        # per rank, for the bound of its first backward (plan.search's _Warmup): how many forwards of its first
+        # and of its second stage it runs before that backward (of its second stage), and whether its last
+        # action is of its first stage; None where its first backward is of its first stage
+        self.warmups = warmups
+        self.p, self.n, self.m = model.layout.pipeline_size, floors.n, floors.m
+        self.limit_s = limit_s  # for the makespan: the limit less the least tail
+        self._least: dict[tuple[int, int], int] = {}
+        self.checks = 0  # stages and pairs of stages tried so far: what the table has cost
+        self.exhausted = False
+        self._check_limit = math.inf
+
+    def feasible(self, r: int, c: int, d: int, most_checks: float = math.inf) -> bool:
+        """Whether ranks r, r+1, ... may finish below the limit with their stages from blocks c and d on; true
+        (and `exhausted` set) when answering would take more than `most_checks` pairs of stages."""
+        self._check_limit = self.checks + most_checks
+        try:
+            return d >= self.least_second_start(r, c)
+        except _OutOfChecks:
+            self.exhausted = True
+            return True
+
+    def least_second_start(self, r: int, c: int) -> int:
+        """The least d_r from which ranks r.. can finish below the limit with c_r = c (n + 1: none)."""
+        key = (r, c)
+        if key not in self._least:
+            self._least[key] = self._compute(r, c)
+        return self._least[key]
+
+    def _compute(self, r: int, c: int) -> int:
+        p, n, x, m, floors = self.p, self.n, self.x, self.m, self.floors
+        left = p - r - 1
+        none = n + 1
+        if c > x - (left + 1):
+            return none
+        limit = self.limit_s
+        rank_start = floors.prefix_work(c, r)
+        best = none
+        lowest_d = x + r
+        for e in ([x] if not left else range(c + 1, x - left + 1)):
+            self._count()
+            firsts = [o for o in floors.options(r, c, e, self.recompute) if o[1] <= self.capacity]
+            if not firsts:
+                break  # a longer first stage needs more memory
+            least_first = min(o[0] for o in firsts)
+            if rank_start + m * least_first > limit:
+                break  # and more work
+            if left:
+                end = self.least_second_start(r + 1, e)
+                if end > n - left:
+                    continue
+            else:
+                end = n
+            d = self._least_second(r, c, e, end, firsts, rank_start, lowest_d, min(best, end) - 1)
+            if d > n and end < best and self._one_block_fits(r, end, firsts, rank_start):
+                # the stage may also start at or after `end` (and end later): at least then
+                d = end
+            if d < best:
+                best = d
+                if best == lowest_d:
+                    break
+        return best
+
+    def _least_second(self, r: int, c: int, e: int, end: int, firsts, rank_start: float, lowest: int,
+                      highest: int) -> int:
+        """The least d in [lowest, highest] for which rank r's stages [c, e) and [d, end) fit (n + 1: none);
+        fitting only gets easier as d grows."""
+        if lowest > highest or not self._pair_fits(r, c, e, highest, end, firsts, rank_start):
+            return self.n + 1
+        lo, hi = lowest, highest
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._pair_fits(r, c, e, mid, end, firsts, rank_start):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _one_block_fits(self, r: int, start: int, firsts, rank_start: float) -> bool:
+        """Whether rank r's first stage (`firsts`) might go with a second stage of one block from `start` on, as
+        cheap in work and in memory as the least of those blocks (every longer stage costs more)."""
+        work, memory = self.floors.least_block(self.p + r, start, self.recompute)
+        return any(m1 + memory <= self.capacity and rank_start + self.m * (w1 + work) <= self.limit_s
+                   for w1, m1, _ in firsts)
+
+    def _count(self) -> None:
+        self.checks += 1
+        if self.checks > self._check_limit:
+            raise _OutOfChecks  # what was computed to the end so far stays, the rest is left
+
+    def _pair_fits(self, r: int, c: int, e: int, d: int, end: int, firsts, rank_start: float) -> bool:
+        self._count()
+        floors, m, limit, capacity, p = self.floors, self.m, self.limit_s, self.capacity, self.p
+        second_start = floors.prefix_work(d, p + r)
+        warm = self.warmups[r]
+        if warm is not None:
+            # micro-batch 0's way down to the end of the second stage, and back from the stages after it
+            count_first, count_second, last_first = warm
+            wait = floors.forward_before(end, p + r + 1) + floors.work_after(end, p - r - 1)
+            wait += floors.backward_before(c, r) if last_first else floors.backward_before(d, p + r)
+        for w2, m2, f2 in floors.options(p + r, d, end, self.recompute):
+            if second_start + m * w2 > limit:
+                continue
+            for w1, m1, f1 in firsts:
+                if m1 + m2 > capacity or rank_start + m * (w1 + w2) > limit:
+                    continue
+                if warm is None or wait + m * (w1 + w2) - count_first * f1 - count_second * f2 <= limit:
+                    return True
+        return False
+
+
+class _OutOfChecks(Exception):
+    pass
+
+
+def _prefix(values: list[float]) -> list[float]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _undominated(options: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+    """The (work, memory, forward) options that no other beats in work, memory and work less forward (what
+    RankLoads compares: M x work less up to M forwards), least work first."""
+    out: list[tuple[float, float, float]] = []
+    for option in sorted(options):
+        work, memory, fwd = option
+        if not any(w <= work and mm <= memory and w - f <= work - fwd for w, mm, f in out):
+            out.append(option)
+    return out
