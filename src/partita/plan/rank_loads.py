@@ -26,6 +26,8 @@ import math
 from partita.plan.cost import CostModel
 from partita.plan.plan import FSDP_LEVELS
 
+Option = tuple[float, float, float]  # a way to run a stage, at least: (work, memory, forward per micro-batch)
+
 
 class StageFloors:
     """Lower bounds of a stage's work (forward + backward per micro-batch) and memory, one pair per way to run it
@@ -63,7 +65,7 @@ class StageFloors:
         self.in_flight = model.in_flight
         self._ways: dict[int, list[tuple[float, float, float, float]]] = {}
         self._least_blocks: dict[tuple[int, bool | None], tuple[list[float], list[float]]] = {}
-        self._options: dict[tuple[int, int, int, bool | None], list[tuple[float, float, float]]] = {}
+        self._options: dict[tuple[int, int, int, bool | None], list[Option]] = {}
 
     def ways(self, stage: int) -> list[tuple[float, float, float, float]]:
         """Per way to shard `stage`: (static bytes per parameter byte, static bytes saved per exclusive byte,
@@ -130,7 +132,7 @@ class StageFloors:
         return (self.fwd[stop] + self.bwd[stop] + self.own[stop] * self.traffic_per_byte
                 + 2 * stages * self.action_s)
 
-    def options(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[tuple[float, float, float]]:
+    def options(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[Option]:
         """(work, memory, forward) at least of blocks [start, stop) as `stage`, per way to run it (`recompute` None:
         with recomputation and without); none dominated by another."""
         key = (stage, start, stop, recompute)
@@ -139,7 +141,7 @@ class StageFloors:
             found = self._options[key] = _undominated(self._compute_options(stage, start, stop, recompute))
         return found
 
-    def _compute_options(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[tuple[float, float, float]]:
+    def _compute_options(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[Option]:
         model = self.model
         params = self.param_bytes(start, stop)
         exclusive = self.exclusive[stop] - self.exclusive[start]
@@ -292,10 +294,10 @@ def _prefix(values: list[float]) -> list[float]:
     return out
 
 
-def _undominated(options: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+def _undominated(options: list[Option]) -> list[Option]:
     """The (work, memory, forward) options that no other beats in work, memory and work less forward (what
     RankLoads compares: M x work less up to M forwards), least work first."""
-    out: list[tuple[float, float, float]] = []
+    out: list[Option] = []
     for option in sorted(options):
         work, memory, fwd = option
         if not any(w <= work and mm <= memory and w - f <= work - fwd for w, mm, f in out):

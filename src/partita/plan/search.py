@@ -11,9 +11,11 @@ Exact within that space, by branch and bound. Layouts are visited in order of a 
 time, in two rounds: each with a small budget first (good plans found anywhere early cut every layout's
 search), then those not finished with the full one. In a layout, stage boundaries are chosen stage by
 stage, depth first, and a branch is cut as soon as a lower bound on every completion's simulated step
-reaches the best step found (`plan.bounds` says why the bounds hold: cutting never loses the optimum). Looped layouts go rank by rank instead: where the second loop
-starts, then both stages of rank 0, of rank 1, ... (a rank's two stages share its memory and its time); from
-the second rank on, the ranks chosen are also simulated with the others at their least. Two plans closer
+reaches the best step found (`plan.bounds` says why the bounds hold: cutting never loses the optimum). Looped
+layouts go rank by rank instead: where the second loop starts, then both stages of rank 0, of rank 1, ... (a
+rank's two stages share its memory and its time); from the second rank on, the ranks chosen are also simulated
+with the others at their least, and the ranks left must still fit their loads block by block
+(`plan.rank_loads`). Two plans closer
 than PRUNE_TOLERANCE count as equally fast, so that float rounding between a bound and the simulator cannot
 keep the search among equal plans. A node budget keeps the search to seconds on huge instances; when it runs
 out the result says so, with the gap between the best plan and the lower bound.
