@@ -157,7 +157,9 @@ def test_nodes_that_join_and_leave_resize_a_running_job(start, tmp_path):
     logs = rank0_logs(tmp_path / "logs-a") + rank0_logs(tmp_path / "logs-b")
     for before, after in ((2, 4), (4, 2)):
         assert f"the world changed from {before} to {after} rank(s), so the model is planned again" in logs, logs
-    check(tmp_path, 2, len(by_step(losses(tmp_path))), stages=1)
+    # planned from the costs the session's first launched job measured (harness.CACHE_DIR): on a loaded machine a
+    # pipeline of 2 stages may win over data parallelism, and either is right
+    check(tmp_path, 2, len(by_step(losses(tmp_path))), stages=None)
 
 
 def test_a_job_killed_while_it_saves_resumes_from_the_checkpoint_before(start, tmp_path):
