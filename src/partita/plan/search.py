@@ -35,8 +35,8 @@ from partita.plan.constraints import Constraints
 from partita.plan.cost import CostModel, Layout, StageCost
 from partita.plan.explain import size
 from partita.plan.partition import balance
-from partita.plan.rank_loads import RankLoads, StageFloors
 from partita.plan.plan import FSDP_LEVELS, divisors
+from partita.plan.rank_loads import RankLoads, StageFloors
 from partita.schedule import check_sizes, orders
 from partita.schedule.catalog import stages_per_rank
 from partita.sim import StageCosts, Trace, simulate
