@@ -339,10 +339,10 @@ def test_rank_loads_never_cut_a_split_within_the_limit(seed):
             if found is None:
                 continue
             x, makespan = ranges[p][0], found.trace.makespan_s
-            loads = RankLoads(floors, x, makespan * (1 + 1e-12), model.capacity, None, warmups)
+            loads = RankLoads(floors, partitions.rest, x, makespan * (1 + 1e-12), model.capacity, None, warmups)
             for r in range(p):
                 assert loads.feasible(r, ranges[r][0], ranges[r + p][0]), (model.layout, cuts, r)
-            tighter = RankLoads(floors, x, makespan * 0.9, model.capacity, None, warmups)
+            tighter = RankLoads(floors, partitions.rest, x, makespan * 0.9, model.capacity, None, warmups)
             cut += not all(tighter.feasible(r, ranges[r][0], ranges[r + p][0]) for r in range(p))
             checked += 1
     assert checked > 50 and cut > checked // 2, (checked, cut)

@@ -20,9 +20,10 @@ than the average) and forced recomputation rank by rank.
 
 from __future__ import annotations
 
-import bisect
+import itertools
 import math
 
+from partita.plan.bounds import Remainder
 from partita.plan.cost import CostModel
 from partita.plan.plan import FSDP_LEVELS
 
@@ -37,31 +38,10 @@ class StageFloors:
 
     def __init__(self, model: CostModel):
         self.model = model
-        graph, n, lay = model.graph, model.num_blocks, model.layout
-        stretch = model.compute_stretch
-        self.n, self.m = n, lay.micro_batches
-        self.fwd = [model.forward_s(0, i) - model.action_s for i in range(n + 1)]  # prefix sums
-        self.bwd = [model.backward_s(0, i, 0) - model.action_s for i in range(n + 1)]
-        self.act = [model.activation_bytes(0, i) for i in range(n + 1)]
-        self.action_s = model.action_s
-        self.traffic_per_byte = model.gradient_traffic_s(1.0) * stretch
-        # a parameter's bytes count at the first block that reads it (prefix sums); one read again by a later
-        # block (tied weights) counts for a stage that starts after its first reader and holds another. FSDP's
-        # levels shard the parameters that one block alone reads (exclusive) and keep the others whole
-        readers: dict[str, list[int]] = {}
-        for i, block in enumerate(graph.blocks):
-            for name in dict.fromkeys(block.params):
-                readers.setdefault(name, []).append(i)
-        own, exclusive = [0] * n, [0] * n
-        for name, blocks in readers.items():
-            own[blocks[0]] += graph.param_bytes[name]
-            if len(blocks) == 1:
-                exclusive[blocks[0]] += graph.param_bytes[name]
-        self.own, self.exclusive = _prefix(own), _prefix(exclusive)
-        self.shared = [(blocks, graph.param_bytes[name]) for name, blocks in readers.items() if len(blocks) > 1]
-        self.writes = _prefix([1 if b.writes_buffers else 0 for b in graph.blocks])
+        self.n, self.m = model.num_blocks, model.layout.micro_batches
+        self.writes = [0, *itertools.accumulate(1 if b.writes_buffers else 0 for b in model.graph.blocks)]
         # every cut inside the model moves at least the least boundary, per micro-batch
-        self.least_boundary = min((model.boundary_bytes(c) for c in range(1, n)), default=0.0)
+        self.least_boundary = min((model.boundary_bytes(c) for c in range(1, self.n)), default=0.0)
         self.in_flight = model.in_flight
         self._ways: dict[int, list[tuple[float, float, float, float]]] = {}
         self._least_blocks: dict[tuple[int, bool | None], tuple[list[float], list[float]]] = {}
@@ -105,33 +85,6 @@ class StageFloors:
         work, memory = self._least_blocks[key]
         return work[start], memory[start]
 
-    def param_bytes(self, start: int, stop: int) -> int:
-        total = self.own[stop] - self.own[start]
-        for blocks, nbytes in self.shared:
-            if blocks[0] < start:
-                i = bisect.bisect_left(blocks, start)
-                if i < len(blocks) and blocks[i] < stop:
-                    total += nbytes
-        return total
-
-    def forward_before(self, stop: int, stages: int) -> float:
-        """The least forward of `stages` stages holding blocks [0, stop), per micro-batch."""
-        return self.fwd[stop] + stages * self.action_s
-
-    def backward_before(self, stop: int, stages: int) -> float:
-        return self.bwd[stop] + self.own[stop] * self.traffic_per_byte + stages * self.action_s
-
-    def work_after(self, start: int, stages: int) -> float:
-        """The least forward + backward of `stages` stages holding blocks [start, n), per micro-batch."""
-        n = self.n
-        return (self.fwd[n] - self.fwd[start] + self.bwd[n] - self.bwd[start]
-                + (self.own[n] - self.own[start]) * self.traffic_per_byte + 2 * stages * self.action_s)
-
-    def prefix_work(self, stop: int, stages: int) -> float:
-        """The least work of `stages` stages holding blocks [0, stop), per micro-batch."""
-        return (self.fwd[stop] + self.bwd[stop] + self.own[stop] * self.traffic_per_byte
-                + 2 * stages * self.action_s)
-
     def options(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[Option]:
         """(work, memory, forward) at least of blocks [start, stop) as `stage`, per way to run it (`recompute` None:
         with recomputation and without); none dominated by another."""
@@ -143,12 +96,12 @@ class StageFloors:
 
     def _compute_options(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[Option]:
         model = self.model
-        params = self.param_bytes(start, stop)
-        exclusive = self.exclusive[stop] - self.exclusive[start]
-        fwd = self.fwd[stop] - self.fwd[start] + self.action_s
-        work = fwd + self.bwd[stop] - self.bwd[start] + params * self.traffic_per_byte + self.action_s
+        params = model.param_bytes(start, stop)
+        exclusive = params - model.units(start, stop)[0]  # what FSDP's levels shard: all but the tied ones
+        fwd = model.forward_s(start, stop)
+        work = fwd + model.backward_s(start, stop, params)
         held = self.in_flight[stage]
-        acts = self.act[stop] - self.act[start]
+        acts = model.activation_bytes(start, stop)
         # PipelineStage's receive buffers, and what recomputation keeps of a stage's inputs
         inputs = self.least_boundary if stage > 0 else 0.0
         outputs = self.least_boundary if stop < self.n else 0.0
@@ -169,10 +122,11 @@ class RankLoads:
     """For one looped layout and one start x of its second loop: the least second-loop position from which the
     ranks can still finish below `limit_s` (a step time), by rank and first-loop position."""
 
-    def __init__(self, floors: StageFloors, x: int, limit_s: float, capacity: float, recompute: bool | None,
-                 warmups: list[tuple[int, int, bool] | None]):
+    def __init__(self, floors: StageFloors, rest: Remainder, x: int, limit_s: float, capacity: float,
+                 recompute: bool | None, warmups: list[tuple[int, int, bool] | None]):
         model = floors.model
-        self.floors, self.x, self.capacity, self.recompute = floors, x, capacity, recompute
+        # rest: the least work of the blocks before and after a rank's stages, in sums
+        self.floors, self.rest, self.x, self.capacity, self.recompute = floors, rest, x, capacity, recompute
         # per rank, for the bound of its first backward (plan.search's _Warmup): how many forwards of its first
         # and of its second stage it runs before that backward (of its second stage), and whether its last
         # action is of its first stage; None where its first backward is of its first stage
@@ -208,7 +162,7 @@ class RankLoads:
         if c > x - (left + 1):
             return none
         limit = self.limit_s
-        rank_start = floors.prefix_work(c, r)
+        rank_start = self.rest.quick_work(0, c, r)
         best = none
         lowest_d = x + r
         for e in ([x] if not left else range(c + 1, x - left + 1)):
@@ -265,13 +219,15 @@ class RankLoads:
     def _pair_fits(self, r: int, c: int, e: int, d: int, end: int, firsts, rank_start: float) -> bool:
         self._count()
         floors, m, limit, capacity, p = self.floors, self.m, self.limit_s, self.capacity, self.p
-        second_start = floors.prefix_work(d, p + r)
+        rest = self.rest
+        second_start = rest.quick_work(0, d, p + r)
         warm = self.warmups[r]
         if warm is not None:
             # micro-batch 0's way down to the end of the second stage, and back from the stages after it
             count_first, count_second, last_first = warm
-            wait = floors.forward_before(end, p + r + 1) + floors.work_after(end, p - r - 1)
-            wait += floors.backward_before(c, r) if last_first else floors.backward_before(d, p + r)
+            wait = rest.fwd(0, p + r + 1, end) + rest.quick_work(end, self.n, p - r - 1)
+            # and the gradient's way back from its last stage: the backwards of the stages before it
+            wait += rank_start - rest.fwd(0, r, c) if last_first else second_start - rest.fwd(0, p + r, d)
         for w2, m2, f2 in floors.options(p + r, d, end, self.recompute):
             if second_start + m * w2 > limit:
                 continue
@@ -287,16 +243,9 @@ class _OutOfChecks(Exception):
     pass
 
 
-def _prefix(values: list[float]) -> list[float]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
-
-
 def _undominated(options: list[Option]) -> list[Option]:
-    """The (work, memory, forward) options that no other beats in work, memory and work less forward (what
-    RankLoads compares: M x work less up to M forwards), least work first."""
+    """The options that no other beats in work, memory and work less forward (what RankLoads compares: M x work
+    less up to M forwards), least work first."""
     out: list[Option] = []
     for option in sorted(options):
         work, memory, fwd = option

@@ -509,13 +509,16 @@ class PartitionSearch:
     # second loop starts (x), then both stages of rank 0, of rank 1, ...: each step completes a rank.
 
     def _search_pairs(self) -> None:
-        lay, n = self.model.layout, self.model.num_blocks
+        lay, n, rest = self.model.layout, self.model.num_blocks, self.rest
         p = lay.pipeline_size
         prefix = self._work_prefix
         splits = sorted(range(p, n - p + 1), key=lambda x: (abs(2 * prefix[x] - prefix[n]), x))
         root = self._pair_root()
         self.floors = StageFloors(self.model)
-        self.pair_warmups = [self.warmups[r].pair(r, r + lay.pipeline_size) for r in range(lay.pipeline_size)]
+        self.pair_warmups = [self.warmups[r].pair(r, r + p) for r in range(p)]
+        # every plan's longest tail is at least this (as in plan.bounds.layout_bound)
+        self.least_tail_s = self.model.step_overhead_s + max(rest.stage_tail(rest.largest_block_bytes(0)),
+                                                             rest.tail_total(0) / p)
         for x in splits:
             if self._split_bound(x) < self.cutoff and self._loads_allow(x, 0, 0, x):
                 self._pair(0, 0, x, x, root)
@@ -536,12 +539,11 @@ class PartitionSearch:
     def _rank_loads(self, x: int) -> RankLoads:
         """The table of ranks' loads for the second loop starting at x, for the best step found so far (made
         again when that has improved by more than LOADS_REFRESH since)."""
-        rest, p = self.rest, self.model.layout.pipeline_size
-        tail = self.model.step_overhead_s + max(rest.stage_tail(rest.largest_block_bytes(0)), rest.tail_total(0) / p)
-        limit = self.cutoff - tail
+        limit = self.cutoff - self.least_tail_s
         loads = self.loads
         if loads is None or loads.x != x or limit < loads.limit_s * (1 - LOADS_REFRESH):
-            self.loads = loads = RankLoads(self.floors, x, limit, self.capacity, self.recompute, self.pair_warmups)
+            self.loads = loads = RankLoads(self.floors, self.rest, x, limit, self.capacity, self.recompute,
+                                           self.pair_warmups)
         return loads
 
     def _pair_root(self) -> "_Pairs":
