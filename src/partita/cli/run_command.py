@@ -76,7 +76,7 @@ def run(args) -> int:
     resume_file = _prepare_environment(args.nproc, args.log_dir)
     logs = _printed_logs(args, resume_file)
     try:
-        with agent.installed():  # kills a rank stopped by SIGSTOP at once, not after 30 s
+        with agent.installed(args.stop_timeout):  # kills a rank stopped by SIGSTOP at once, not after 30 s
             launch_agent(_launch_config(args, logs), sys.executable, ["-u", args.script, *args.args])
     except (ChildFailedError, SignalException) as e:
         return _failed_status(e, args, logs, resume_file)
@@ -143,6 +143,8 @@ def _launch_config(args, logs):
     """The torch elastic agent's configuration: a standalone job without --rdzv-endpoint."""
     from torch.distributed.launcher.api import LaunchConfig
 
+    from partita.launch import agent
+
     low, high = _nodes(args.nnodes)
     standalone = not args.rdzv_endpoint
     return LaunchConfig(
@@ -150,8 +152,8 @@ def _launch_config(args, logs):
         run_id=args.rdzv_id or str(uuid.uuid4()), role="rank",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0" if standalone else args.rdzv_endpoint,
         rdzv_configs={"last_call_timeout": args.last_call, **({"is_host": True} if standalone else {})},
-        max_restarts=args.max_restarts, monitor_interval=0.1, start_method="spawn", shutdown_timeout=args.stop_timeout,
-        signals_to_handle=PASSED_ON, logs_specs=logs,
+        max_restarts=args.max_restarts, monitor_interval=0.1, start_method="spawn",
+        signals_to_handle=PASSED_ON, logs_specs=logs, **agent.config_fields(args.stop_timeout),
     )
 
 

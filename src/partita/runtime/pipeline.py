@@ -23,7 +23,6 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from partita.capture.export import CapturedGraph
@@ -33,32 +32,11 @@ from partita.plan.plan import Plan
 from partita.runtime.fully_sharded import ShardedUnits
 from partita.runtime.grads import GradSync
 from partita.runtime.precision import LowPrecision
+from partita.runtime.torch_stage import VersionedStage, prepare_for_schedule, prepare_static
 from partita.schedule import Action, orders
 from partita.schedule.action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 
-try:  # torch 2.13: a stage takes its metadata as given (static) or exchanges it (dynamic), as it is told
-    from torch.distributed.pipelining._utils import InferenceMode
-
-    STATIC_METADATA = InferenceMode.STATIC
-except ImportError:  # torch 2.11: a stage given its shapes exchanges nothing by itself
-    STATIC_METADATA = None
-
-
-def prepare_static(stage: PipelineStage, micro_batches: int, has_backward: bool) -> None:
-    """Prepare `stage` to run `micro_batches` micro-batches of the shapes it was built with: no metadata
-    exchange, receive buffers sized from those shapes. torch does this inside its schedules' private
-    initialisation, differently in 2.11 and 2.13 (`STATIC_METADATA`)."""
-    stage.has_backward = has_backward
-    if STATIC_METADATA is None:
-        stage._prepare_forward_infra(micro_batches, (), {})
-    else:
-        stage._inference_mode = STATIC_METADATA
-        stage._prepare_forward_infra(micro_batches, (), {}, has_backward)
-    if has_backward:
-        stage._prepare_backward_infra(micro_batches)
-
-
-class RecordingStage(PipelineStage):
+class RecordingStage(VersionedStage):
     """A PipelineStage that notes every compute action it runs in `executed` (a list its rank's stages share).
 
     `gathered_for_step`: FSDP units whose parameters stay gathered from the stage's first forward to its last
@@ -176,6 +154,7 @@ class Pipeline:
             stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
             self._schedule = cls(stages, n_microbatches=self.micro_batches, loss_fn=self.loss_fn,
                                  scale_grads=False)
+            prepare_for_schedule(self._schedule, self.stages, self.micro_batches, self.has_backward)
         self.executed.clear()
         losses: list[torch.Tensor] = []
         args = inputs if self.has_first else ()
@@ -209,7 +188,7 @@ class Pipeline:
                 stage.set_local_fwd_input(kept.pop((action.stage - 1, mb)), mb)
             else:
                 _wait(_p2p(stage.get_fwd_recv_ops(mb)))
-            out = stage.forward_one_chunk(mb, args, save_forward_output=False)
+            out = stage.forward_one_chunk(mb, args, {}, save_forward_output=False)  # torch 2.11: {}, not None
             if stage.is_last:
                 outputs[mb] = out if isinstance(out, tuple) else (out,)
             elif action.stage + 1 in self.by_index:
