@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 import warnings
 from pathlib import Path
 
@@ -27,15 +26,14 @@ from partita.launch import env
 from partita.plan import Constraints, Plan
 from partita.plan.choose import simulate_plan
 from partita.plan.plan import check_sharding
-from partita.planning import Planned, PlanRequest, agreed_plan, agreed_switch, review_step
+from partita.planning import Planned, PlanRequest, agreed_plan, agreed_switch, review_step, review_switch
 from partita.runtime import agreement
 from partita.runtime.batch import Call, local_rows, loss_of, sizes_beyond_batch, split_target
 from partita.runtime.build import build_runtime
 from partita.runtime.materialize import Initial, InitFn, check_devices, initial_of
-from partita.runtime.optim import optimizer_state_factor
 from partita.runtime.precision import SCALED, check_precision
 from partita.runtime.run import Held, Runtime, in_mode
-from partita.runtime.step_clock import StepClock
+from partita.runtime.step_clock import Mark, StepClock, mark
 from partita.sim import Trace
 
 log = logging.getLogger("partita")
@@ -51,11 +49,13 @@ class ParallelModule(nn.Module):
         self._optimizer = optimizer
         self._initial = initial
         self._loss = loss_of(loss_fn)
-        self._request = PlanRequest(constraints, plan, optimizer_state_factor(optimizer))
+        self._request = PlanRequest.of(constraints, plan, optimizer)
         self._runtime: Runtime | None = None
         self._planned: Planned | None = None
         self._graph: ModelGraph | None = None
         self._clock: StepClock | None = None
+        # after a switch of layouts, the plan before it and its measured step, until the new one's are measured
+        self._switched_from: tuple[Planned, float] | None = None
         self._sizes_seen: set[tuple] = set()  # the inputs' sizes beyond the batch, in the calls the clock timed
         self._capture: tuple[CapturedGraph, CallSignature] | None = None  # the first call's, and its signature
         self._input_dtypes: list[InputDtype] = []
@@ -77,8 +77,8 @@ class ParallelModule(nn.Module):
         return self._runtime
 
     def forward(self, *args, **kwargs):
-        called_s = time.perf_counter()
         world = env.init()
+        called = mark(world.device) if self._clock is None or not self._clock.done else None
         args, target, problem = split_target(args, kwargs, with_loss=self._loss is not None)
         tensors, signature = [], None
         try:
@@ -92,36 +92,49 @@ class ParallelModule(nn.Module):
         training = self.module.training and torch.is_grad_enabled()
         if not self._clock.done:
             self._sizes_seen.add(sizes_beyond_batch(call))
-            self._time_step(call, training, called_s)
+            self._time_step(call, training, called)
         result = self._runtime(call)
         if training and not self._clock.done:
             self._end_step_with(result)
         return result
 
-    def _time_step(self, call: Call, training: bool, called_s: float) -> None:
+    def _time_step(self, call: Call, training: bool, called: Mark) -> None:
         """Time the training steps: from this call to the end of its backward or its optimizer's step. Once
         enough were measured, rank 0 says how they compare with the plan's estimate (`planning.review_step`), and
         where another layout is enough faster, every rank moves to it before running this call
-        (`planning.agreed_switch`, `checkpoint.relayout`)."""
-        measured_s = self._clock.called(call.rows, training, called_s)
+        (`planning.agreed_switch`, `checkpoint.relayout`). The steps after a switch are timed again, and a
+        switch that made them no faster is undone (`planning.review_switch`)."""
+        measured_s = self._clock.called(call.rows, training, called)
         if measured_s is None:
             return
-        faster = agreed_switch(lambda: review_step(self._planned, self._graph, self._request, measured_s),
-                               self.module, self._runtime.plan, sizes_beyond_batch(call), len(self._sizes_seen) > 1)
-        if faster is not None:
-            self._runtime = relayout(self, self.module, self._optimizer, self._runtime,
-                                     lambda initial: self._build(faster.plan, call, initial))
-            self._planned = faster if self._runtime.plan is faster.plan else self._planned
+        switched_from, self._switched_from = self._switched_from, None
+        if switched_from is None:
+            review = lambda: review_step(self._planned, self._graph, self._request, measured_s)  # noqa: E731
+        else:
+            review = lambda: review_switch(*switched_from, self._runtime.plan, measured_s)  # noqa: E731
+        other = agreed_switch(review, self.module, self._runtime.plan, sizes_beyond_batch(call),
+                              len(self._sizes_seen) > 1)
+        if other is None:
+            return
+        before = self._planned
+        self._runtime = relayout(self, self.module, self._optimizer, self._runtime,
+                                 lambda initial: self._build(other.plan, call, initial))
+        if self._runtime.plan is other.plan:
+            self._planned = other
+            if switched_from is None:  # the new layout's steps are timed from this call on
+                self._switched_from = (before, measured_s)
+                self._clock = StepClock(call.rows)
+                self._clock.called(call.rows, training, called)
 
     def _end_step_with(self, result) -> None:
         """The step under way ends, at the latest, with the backward through this call's output."""
         ended = next((t for t in torch.utils._pytree.tree_leaves(result)
                       if isinstance(t, torch.Tensor) and t.requires_grad), None)
         if ended is not None:
-            clock = self._clock
+            clock, device = self._clock, env.world().device  # this step's clock, also if a switch replaces it
             # runs as the backward through this output ends (autograd's queued callbacks run last)
             ended.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: clock.ended(time.perf_counter())))
+                lambda: clock.ended(mark(device))))
 
     def _start_agreeing(self, tensors: list[torch.Tensor], target: torch.Tensor | None,
                         signature: CallSignature | None, problem: BatchError | None,
@@ -154,8 +167,7 @@ class ParallelModule(nn.Module):
         self._graph = graph
         self._clock = StepClock(rows)
         if self._optimizer is not None:
-            clock = self._clock
-            self._optimizer.register_step_post_hook(lambda *_: clock.ended(time.perf_counter()))
+            self._optimizer.register_step_post_hook(lambda *_: self._clock.ended(mark(world.device)))
         self._capture = (cap, call.signature)
         self._build(self._planned.plan, call, self._initial)
 
@@ -177,7 +189,7 @@ class ParallelModule(nn.Module):
         adopted. The first call still checks that it fits this model and world."""
         if self._runtime is not None or self._request.given is not None or not self._request.constraints.allows(plan):
             return False
-        self._request = PlanRequest(self._request.constraints, plan, self._request.optimizer_factor)
+        self._request = dataclasses.replace(self._request, given=plan)
         return True
 
     def held(self) -> Held | None:

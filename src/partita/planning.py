@@ -33,8 +33,9 @@ from partita.launch import env
 from partita.plan import Constraints, Plan, choose_plan
 from partita.plan.explain import seconds
 from partita.plan.plan import PRECISION_DTYPES
-from partita.profile import Parallelize, device_spec, measure
+from partita.profile import OptimizerKind, Parallelize, device_spec, measure
 from partita.runtime import agreement
+from partita.runtime.optim import optimizer_state_factor
 from partita.runtime.precision import DTYPES, SCALED
 from partita.runtime.state import local_part
 from partita.runtime.step_clock import MEASURED_STEPS
@@ -64,6 +65,12 @@ class PlanRequest:
     constraints: Constraints
     given: Plan | str | Path | None
     optimizer_factor: float  # copies of the parameters the optimizer keeps as state
+    optimizer: OptimizerKind | None = None  # the job's, whose step measuring times
+
+    @classmethod
+    def of(cls, constraints: Constraints, given: Plan | str | Path | None,
+           optimizer: torch.optim.Optimizer | None) -> PlanRequest:
+        return cls(constraints, given, optimizer_state_factor(optimizer), OptimizerKind.of(optimizer))
 
 
 def agreed_plan(cap: CapturedGraph, graph: ModelGraph, rows: tuple[int, ...], request: PlanRequest,
@@ -73,7 +80,7 @@ def agreed_plan(cap: CapturedGraph, graph: ModelGraph, rows: tuple[int, ...], re
     world = env.world()
     profile = cluster = None
     if request.given is None:
-        profile, cluster = _measure(cap, graph, max(rows), parallelize, request.constraints.precision)
+        profile, cluster = _measure(cap, graph, max(rows), parallelize, request)
     result: list = [None]
     if world.rank == 0:
         try:
@@ -101,9 +108,11 @@ def _device_memory(device: torch.device, local_world_size: int) -> int:
     return int(total) if limit is None else min(int(total), limit)
 
 
-def _measure(cap: CapturedGraph, graph: ModelGraph, local_batch: int, parallelize: Parallelize, precision: str):
+def _measure(cap: CapturedGraph, graph: ModelGraph, local_batch: int, parallelize: Parallelize,
+             request: PlanRequest):
     """(profile, cluster) on rank 0, (None, None) elsewhere: measured on this job's devices, or estimated
     from the device preset when PARTITA_PROFILE=estimate (faster, less exact); in the job's precision."""
+    precision = request.constraints.precision
     world = env.world()
     memory = _device_memory(world.device, world.local_world_size)
     if settings.profile_mode() == "estimate":
@@ -114,7 +123,7 @@ def _measure(cap: CapturedGraph, graph: ModelGraph, local_batch: int, paralleliz
         cluster = Cluster(spec, max(1, world.world_size // per_node), per_node, memory_bytes=memory)
         return roofline_profile(graph, spec, PRECISION_DTYPES[precision]), cluster
     return measure(cap, graph, local_batch, world.device, world.local_world_size, memory, parallelize,
-                   compute_dtype=DTYPES.get(precision))
+                   compute_dtype=DTYPES.get(precision), optimizer=request.optimizer)
 
 
 def _make_plan(graph: ModelGraph, global_batch: int, profile: Profile | None, cluster: Cluster | None,
@@ -175,6 +184,18 @@ def review_step(planned: Planned, graph: ModelGraph, request: PlanRequest, measu
         return Review(logging.WARNING, f"{text}: too little to pay for switching. This job keeps its layout; to train "
                                        "under the other, pass those to parallelize.")
     return Review(logging.WARNING, text, Planned(again, planned.profile, cluster))
+
+
+def review_switch(before: Planned, before_s: float, now: Plan, measured_s: float) -> Review:
+    """Rank 0's review of the steps measured after a switch from `before` (whose steps took `before_s`) to
+    `now`: a switch is an estimate, and one that made the steps no faster is undone (`faster` is `before`),
+    once: the job then keeps that layout."""
+    change = measured_s / before_s - 1
+    text = (f"after switching layouts a training step takes {seconds(measured_s)}, {seconds(before_s)} before "
+            f"({change:+.0%})")
+    if measured_s < before_s:
+        return Review(logging.INFO, f"{text}: this job keeps the layout it switched to ({_choices(now)})")
+    return Review(logging.WARNING, f"{text}: the layout before is faster ({_choices(before.plan)})", before)
 
 
 def _choices(plan: Plan) -> str:

@@ -3,6 +3,7 @@ trains on exactly as one process does (planning.agreed_switch, checkpoint.relayo
 keeps the layout."""
 
 import json
+import re
 
 import pytest
 
@@ -82,3 +83,19 @@ def test_inputs_whose_sizes_vary_keep_data_parallelism(pools):
     (said,) = results[0]["said"]
     assert "another layout is faster" in said, said
     assert "This job keeps its layout (the inputs' sizes beyond the batch vary (on ranks 0, 1" in said, said
+
+
+def test_a_switch_that_made_the_steps_slower_is_undone(pools):
+    """The slow loss sleeps once per micro-batch: under the two micro-batches switched to, the steps take longer
+    than under DDP, and the job switches back, once, on every rank alike, training on as one process does."""
+    results = pools.run(2, "support.cases:layout_switch", "adam", steps=24, sharding="none")
+    same_as_one_process(results)
+    for rank, r in enumerate(results):
+        assert len(r["plans"]) == 3 and r["plans"][0] == r["plans"][2], (rank, [layout(p) for p in r["plans"]])
+        assert r["plans"] == results[0]["plans"], f"rank {rank} ran other plans than rank 0"
+    reviewed, switched, undone, back = results[0]["said"]
+    assert reviewed.endswith("Switching to it") and "switched layouts in" in switched and "switched layouts in" in back
+    assert re.match(r"after switching layouts a training step takes .*, .* before \(\+[0-9]+%\): the layout before is "
+                    r"faster \(stages=1, micro_batches=1, schedule='GPipe', sharding='none'\)\. Switching to it$",
+                    undone), undone
+    assert results[1]["said"] == []

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,33 @@ BF16_TOLERANCE = 5e-3  # |loss - plain PyTorch's loss| under the same autocast: 
 def own_cache(tmp_path, monkeypatch):
     """Measurements of each test go to a folder of its own, so that every test measures on the GPU."""
     monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def leave_the_job():
+    """The tests here join a job of one rank (partita.init); it is left when they are done."""
+    yield
+    partita.shutdown()
+
+
+def test_a_step_on_the_gpu_is_timed_by_the_gpu():
+    """The step clock's marks: the host returns from queued matrix products long before the GPU ran them;
+    the time between two marks is the GPU's."""
+    from partita.runtime.step_clock import mark, seconds_between
+
+    device = partita.init().device
+    a = torch.tanh(torch.randn(8192, 8192, device=device) @ torch.randn(8192, 8192, device=device))  # warm-up
+    torch.cuda.synchronize(device)
+    start = mark(device)
+    for _ in range(20):
+        a = torch.tanh(a @ a)  # about 22 TFLOP in float32: tens of milliseconds on any GPU
+    end = mark(device)
+    host_s = end[0] - start[0]
+    measured = seconds_between(start, end)
+    torch.cuda.synchronize(device)
+    waited = time.perf_counter() - start[0]
+    assert host_s < 0.5 * waited, (host_s, waited)
+    assert 0.8 * waited <= measured <= waited, (measured, waited)
 
 
 def _net() -> nn.Module:
@@ -146,11 +174,18 @@ def _run(ranks: int, mode: str, visible: str | None, timeout: int, where: Path):
 
 
 def test_more_ranks_than_gpus_is_partitas_error_on_every_rank(tmp_path):
+    """Every rank stops with partita's error, or was stopped by the launcher after the first rank did (torch's
+    agent ends the others as soon as one fails): none gets CUDA's or NCCL's."""
     job = _run(2, "init", "0", timeout=120, where=tmp_path)
     out = job.stdout + job.stderr
+    error = "LaunchError: this node runs 2 ranks but only 1 GPU is visible (CUDA_VISIBLE_DEVICES '0')"
     assert job.returncode != 0, out
-    assert out.count("LaunchError: this node runs 2 ranks but only 1 GPU is visible (CUDA_VISIBLE_DEVICES '0')") >= 2, out
-    assert "invalid device ordinal" not in out, out
+    assert error in out and "invalid device ordinal" not in out, out
+    logs = sorted(tmp_path.glob("partita-logs/*/attempt_0/*/stderr.log"))
+    assert len(logs) == 2, logs
+    for log in logs:
+        text = log.read_text()
+        assert error in text or "Error" not in text, text
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2,

@@ -60,3 +60,22 @@ def test_the_fixed_overhead_leaves_out_the_models_tensors_on_the_cpu():
     small, big = nn.Linear(4, 4), nn.Linear(4, 4)
     big.weight = nn.Parameter(torch.ones(4096, 4096))  # 64 MiB, resident once written
     assert _process_bytes(torch.device("cpu"), big) <= _process_bytes(torch.device("cpu"), small) - 60 * 2**20
+
+
+def test_the_optimizers_own_step_is_timed():
+    """Adam's step costs more per byte than SGD's (torch makes more passes over memory); AdamW, whose defaults
+    hold a field its constructor does not take, is made again all the same; an optimizer that cannot be made
+    from its defaults is not timed (0: the planner models it)."""
+    from partita.profile.optimizer_rate import OptimizerKind, optimizer_rate
+
+    class Needs(torch.optim.SGD):
+        def __init__(self, params, schedule):  # a constructor that takes what its defaults do not hold
+            super().__init__(params, lr=0.1)
+
+    cpu, p = torch.device("cpu"), [nn.Parameter(torch.zeros(1))]
+    rate = {name: optimizer_rate(OptimizerKind.of(opt), 8 * 2**20, 8, cpu)
+            for name, opt in [("sgd", torch.optim.SGD(p, lr=0.1)), ("adam", torch.optim.Adam(p)),
+                              ("adamw", torch.optim.AdamW(p)), ("custom", Needs(p, None))]}
+    assert rate["sgd"] > 1.5 * rate["adam"] > 0 and rate["adamw"] > 0, rate
+    assert rate["custom"] == 0.0
+    assert OptimizerKind.of(None) is None

@@ -97,6 +97,10 @@ def test_time_of_each_level():
     assert zero2.apply_gradients_s == zero3.apply_gradients_s == pytest.approx(P / R * 2 / c.device.mem_bandwidth_bps)
     assert model.tail_s(zero3) == pytest.approx(zero3.apply_gradients_s + zero3.optimizer_s)
     assert model.stage_time_s(zero3) - model.stage_time_s(zero2) == pytest.approx((2 * M - 1) * gather)
+    # the job's own optimizer timed (profile.optimizer_bps): its rate, not the bytes it must move, prices the step
+    timed = CostModel(graph, dataclasses.replace(profile, optimizer_bps=1e9), c, 2, Layout("1F1B", 2, 2, R, M, 2))
+    assert [timed.priced(0, 0, 2, False, level).optimizer_s for level in ("none", "parameters")] == \
+        pytest.approx([P / 1e9, P / R / 1e9])
     # recomputed, "parameters" runs the forward again after the backward's gather: no third gather
     assert model.priced(0, 0, 2, True, "parameters").bwd_s == pytest.approx(zero3.bwd_s + none.fwd_s)
     assert model.stage(0, 0, 2).sharding != "parameters"  # everything fits: the slowest level is not taken

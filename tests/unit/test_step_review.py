@@ -5,7 +5,7 @@ import logging
 import re
 
 from partita.plan import Constraints, choose_plan
-from partita.planning import OFF_BY, SWITCH_GAIN, Planned, PlanRequest, review_step
+from partita.planning import OFF_BY, SWITCH_GAIN, Planned, PlanRequest, review_step, review_switch
 from test_sharding_prices import cluster, graph_of
 
 
@@ -57,3 +57,21 @@ def test_a_plan_given_has_no_measurements_to_plan_again_with():
                          plan.estimate.step_s * 2)
     assert review.level == logging.WARNING and "no measurements to plan again with" in review.text
     assert review.faster is None
+
+
+def test_a_switch_that_made_the_steps_no_faster_is_undone():
+    graph, profile = graph_of([1] * 8)
+    c = cluster(2, 10**4)
+    before = choose_plan(graph, profile, c, global_batch=16, optimizer_factor=1,
+                         constraints=Constraints(stages=1, sharding="none"))
+    now = choose_plan(graph, profile, c, global_batch=16, optimizer_factor=1,
+                      constraints=Constraints(stages=2, sharding="none"))
+    planned = Planned(before, profile, c)
+    kept = review_switch(planned, 0.2, now, 0.15)
+    assert kept.faster is None and kept.level == logging.INFO
+    assert kept.text == ("after switching layouts a training step takes 150 ms, 200 ms before (-25%): this job keeps "
+                         f"the layout it switched to (stages=2, micro_batches={now.micro_batches}, "
+                         f"schedule={now.schedule!r}, sharding='none')")
+    undone = review_switch(planned, 0.2, now, 0.2)
+    assert undone.faster is planned and undone.level == logging.WARNING
+    assert "(+0%): the layout before is faster (stages=1, micro_batches=1" in undone.text, undone.text

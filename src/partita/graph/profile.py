@@ -23,6 +23,9 @@ class Profile:
     # cache as in a step (adding one micro-batch's gradients, an optimizer step); 0: not measured, the device's
     # memory bandwidth stands. It depends on the size: a small model's gradients fit a CPU's last-level cache.
     param_stream_bps: float = 0.0
+    # bytes of parameters per second that the job's optimizer steps (its own step, timed); 0: not measured, the
+    # step is modelled as passes at param_stream_bps
+    optimizer_bps: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -32,7 +35,8 @@ class Profile:
         data = json.loads(text)
         fit = lambda d: Fit(tuple(tuple(line) for line in d["lines"]))  # noqa: E731
         return cls(data["source"], tuple(BlockCost(fit(b["fwd_s"]), fit(b["bwd_s"]), fit(b["activation_bytes"]))
-                                          for b in data["blocks"]), data.get("param_stream_bps", 0.0))
+                                          for b in data["blocks"]), data.get("param_stream_bps", 0.0),
+                   data.get("optimizer_bps", 0.0))
 
 
 def roofline_profile(graph: ModelGraph, device, dtype: str = "float32") -> Profile:

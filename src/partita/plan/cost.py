@@ -468,7 +468,10 @@ class CostModel:
                    for s in self.replica_group_stages for sh in sorted(levels)) * (1 - 1e-9)
 
     def optimizer_s(self, param_bytes: float) -> float:
-        """The optimizer step is memory-bound: read weights, gradients and state, write weights and state."""
+        """The optimizer step at the rate measured for the job's own optimizer; else modelled as memory-bound:
+        read weights, gradients and state, write weights and state."""
+        if self.profile.optimizer_bps:
+            return param_bytes / self.profile.optimizer_bps * self.step_stretch
         return param_bytes * (3 + 2 * self.optimizer_factor) / self.stream_bps * self.step_stretch
 
 

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -20,11 +20,12 @@ from partita.graph import ModelGraph, Profile
 from partita import cache
 from partita.profile.block_times import measure_blocks, profile_rows, stream_bandwidth
 from partita.plan.explain import seconds, size
+from partita.profile.optimizer_rate import OptimizerKind, optimizer_rate
 from partita.profile.comm import SIZES_BYTES, measure_allgather, measure_allreduce, measure_p2p, measure_reduce_scatter
 from partita.profile.overheads import STEPS as PROBE_STEPS
 from partita.profile.overheads import Parallelize, measure_overheads
 
-__all__ = ["Parallelize", "device_spec", "measure"]
+__all__ = ["OptimizerKind", "Parallelize", "device_spec", "measure"]
 
 MEASUREMENT_VERSION = 7  # part of every cache key: measurements made differently are not reused
 
@@ -81,15 +82,20 @@ def _agreed(flag: bool) -> bool:
 
 def measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, local_world_size: int,
             memory_per_rank: int, parallelize: Parallelize, show_progress: bool = True,
-            compute_dtype: torch.dtype | None = None) -> tuple[Profile | None, Cluster | None]:
+            compute_dtype: torch.dtype | None = None,
+            optimizer: OptimizerKind | None = None) -> tuple[Profile | None, Cluster | None]:
     """(profile, cluster) on rank 0, (None, None) elsewhere; collective. `parallelize` wraps a model as partita
     does (its runtime's own costs are measured by training a probe model with it). `compute_dtype`: blocks
-    compute in it under autocast, as the job will (mixed precision)."""
+    compute in it under autocast, as the job will (mixed precision). `optimizer`: the job's, whose step is
+    timed (rank 0)."""
     # measuring draws random inputs and seeds its own models: the user's random streams (just restored from a
     # checkpoint, perhaps) must come out as they went in
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return _measure(cap, graph, local_batch, device, local_world_size, memory_per_rank, parallelize,
-                        show_progress, compute_dtype)
+        profile, cluster = _measure(cap, graph, local_batch, device, local_world_size, memory_per_rank,
+                                    parallelize, show_progress, compute_dtype)
+        if profile is not None and optimizer is not None:
+            profile = replace(profile, optimizer_bps=_optimizer_rate(optimizer, graph, device))
+        return profile, cluster
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,19 @@ def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loc
     if rank != 0:
         return None, None
     return profile, _cluster(job, memory_per_rank, links, overhead)
+
+
+def _optimizer_rate(optimizer: OptimizerKind, graph: ModelGraph, device: torch.device) -> float:
+    """`optimizer_rate` for this model's parameters on `device`, cached."""
+    param_bytes, tensors = sum(graph.param_bytes.values()), len(graph.param_bytes)
+    key = cache.key(MEASUREMENT_VERSION, optimizer.description, param_bytes, tensors, device_spec(device).name,
+                    str(device.type), torch.__version__)
+    cached = cache.load("optimizer", key)
+    if cached is not None:
+        return float(cached)
+    rate = optimizer_rate(optimizer, param_bytes, tensors, device)
+    cache.store("optimizer", key, repr(rate))
+    return rate
 
 
 def _at_once(job: _Job) -> int:

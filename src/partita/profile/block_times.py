@@ -185,7 +185,7 @@ def seconds(fn: Callable[[], object], calls: int, device: torch.device) -> float
     return time.perf_counter() - started
 
 
-def _median_seconds(fn: Callable[[], object], device: torch.device) -> float:
+def median_seconds(fn: Callable[[], object], device: torch.device) -> float:
     """Seconds per call: the median of REPEATS samples, each of as many calls as last SAMPLE_S together."""
     first = seconds(fn, 1, device)  # warm-up, and a first estimate
     calls = max(1, min(1000, int(SAMPLE_S / max(first, 1e-7))))
@@ -196,11 +196,13 @@ STREAM_BYTES_RANGE = (64 * 2**10, 512 * 2**20)  # measured at the parameters' si
 _LAST_LEVEL_CACHE_BYTES = 64 * 2**20  # more than a CPU's last-level cache: writing this much evicts it
 
 
-def _cold_median_seconds(fn: Callable[[], object], device: torch.device, evict: torch.Tensor) -> float:
-    """Seconds per call: the median of COLD_REPEATS calls, each after writing `evict` (so each starts with
-    the caches it covers holding none of fn's data)."""
+def cold_median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = COLD_REPEATS) -> float:
+    """Seconds per call: the median of `repeats` calls, each after writing more than a CPU's last-level cache
+    (so each starts with the caches holding none of fn's data, as in a training step, where a forward and a
+    backward ran since)."""
+    evict = torch.zeros(_LAST_LEVEL_CACHE_BYTES // 4, device=device)
     times = []
-    for i in range(COLD_REPEATS + 1):
+    for i in range(repeats + 1):
         evict.fill_(float(i))
         times.append(seconds(fn, 1, device))
     return statistics.median(times[1:])
@@ -215,9 +217,8 @@ def stream_bandwidth(param_bytes: int, device: torch.device) -> float:
     numel = min(max(int(param_bytes), low), high) // 4
     total, delta = torch.zeros(numel, device=device), torch.ones(numel, device=device)
     if device.type != "cpu":
-        return 3 * 4 * numel / _median_seconds(lambda: total.add_(delta), device)
-    evict = torch.zeros(_LAST_LEVEL_CACHE_BYTES // 4, device=device)
-    return 3 * 4 * numel / _cold_median_seconds(lambda: total.add_(delta), device, evict)
+        return 3 * 4 * numel / median_seconds(lambda: total.add_(delta), device)
+    return 3 * 4 * numel / cold_median_seconds(lambda: total.add_(delta), device)
 
 
 def backward_launch_seconds(device: torch.device) -> float:
@@ -230,7 +231,7 @@ def backward_launch_seconds(device: torch.device) -> float:
         torch.autograd.grad([y], [x], [torch.ones_like(y)])
 
     with torch.enable_grad():
-        return _median_seconds(tiny, device)
+        return median_seconds(tiny, device)
 
 
 def measure_block(cap: CapturedGraph, graph: ModelGraph, block: Block, rows: int,
@@ -276,8 +277,8 @@ def _measure_stage(stage: StageGraph, inputs: list[torch.Tensor], device: torch.
         return t
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad():
-        fwd = _median_seconds(forward, device)
-        both = _median_seconds(forward_backward, device)
+        fwd = median_seconds(forward, device)
+        both = median_seconds(forward_backward, device)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             forward()
     with torch.no_grad():
