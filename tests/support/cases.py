@@ -200,6 +200,29 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
 
 
 @mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
+def what_the_loss_sees(precision: str, **plan_args) -> dict:
+    """One step of the GPT computing in `precision` with a loss that notes the dtype of the logits it gets and
+    whether autocast is on around it; and the dtype of the outputs a call without loss_fn returns."""
+    case = CASES["gpt"]
+    torch.manual_seed(0)
+    seen = []
+
+    def loss_fn(logits, target):
+        seen.append((str(logits.dtype), torch.is_autocast_enabled(logits.device.type)))
+        return case.loss_fn(logits, target)
+
+    model = case.make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    args, kwargs, target = case.batch(8, torch.Generator().manual_seed(1))
+    pm = partita.parallelize(model, opt, loss_fn=loss_fn, precision=precision, **plan_args)
+    pm(*args, target, **kwargs).backward()
+    plain = partita.parallelize(case.make(), precision=precision, **plan_args)  # the first holds only its part
+    out = plain(*args, **kwargs)
+    return {"seen": seen, "outputs": str(out.dtype) if isinstance(out, torch.Tensor) else None,
+            "plan": _summary(pm.plan)}
+
+
+@mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
 def precision_losses(name: str, precision: str, *, steps: int = 5, local_batch: int = 8, **plan_args) -> dict:
     """Train `steps` steps with partita computing in `precision` and, in one process on the global batch, the
     same model under torch.autocast in that precision (the user's own loop) and in float32; the global

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from partita.cluster import DEVICES, Cluster, DeviceSpec, Link, RuntimeOverheads
 from partita.graph import ModelGraph, Profile
 from partita import cache
-from partita.profile.block_times import measure_blocks, profile_rows, stream_bandwidth
+from partita.profile.block_times import measure_blocks, profile_rows, stream_bandwidth, warm_up
 from partita.plan.explain import seconds, size
 from partita.profile.optimizer_rate import OptimizerKind, optimizer_rate
 from partita.profile.comm import SIZES_BYTES, measure_allgather, measure_allreduce, measure_p2p, measure_reduce_scatter
@@ -156,6 +156,7 @@ def _optimizer_rate(optimizer: OptimizerKind, graph: ModelGraph, device: torch.d
     cached = cache.load("optimizer", key)
     if cached is not None:
         return float(cached)
+    warm_up(device)
     rate = optimizer_rate(optimizer, param_bytes, tensors, device)
     cache.store("optimizer", key, repr(rate))
     return rate
@@ -168,6 +169,7 @@ def _at_once(job: _Job) -> int:
 
 def _block_costs(cap, graph: ModelGraph, local_batch: int, job: _Job) -> Profile | None:
     """The measured Profile of the model's blocks (rank 0; None elsewhere). Collective."""
+    warm_up(job.device)
     started = time.perf_counter()
     costs = measure_blocks(cap, graph, local_batch, job.device, job.say, at_once=_at_once(job),
                            compute_dtype=job.compute_dtype)

@@ -37,17 +37,17 @@ class DataParallel(Runtime):
     def __call__(self, call: Call):
         if self.agrees_before_forward:
             call.rows  # noqa: B018 - waits for the agreement of the call: DDP's forward broadcasts buffers
-        if self.plan.precision == "fp32":
+        with autocast(self.plan.precision, self.device):
             out = self.ddp(*call.args, **call.kwargs)
-        else:
-            with autocast(self.plan.precision, self.device):
-                out = as_captured(self.ddp(*call.args, **call.kwargs), self.out_dtypes)
+            # under autocast too, as a one-process loop computes it (precision.py)
+            value = self.loss.fn(out, call.target) if self.loss is not None else None
         rows = call.rows
         if self.loss is None:
             result = torch.utils._pytree.tree_map(
-                lambda t: global_loss(t, "mean", rows) if isinstance(t, torch.Tensor) and t.dim() == 0 else t, out)
+                lambda t: global_loss(t, "mean", rows) if isinstance(t, torch.Tensor) and t.dim() == 0 else t,
+                as_captured(out, self.out_dtypes))
         else:
-            result = global_loss(self.loss.fn(out, call.target), self.loss.reduction, rows)
+            result = global_loss(value, self.loss.reduction, rows)
         return self.loss_scale.scaling(result) if self.loss_scale is not None else result
 
     def settle_buckets(self, call: Call) -> None:

@@ -116,7 +116,9 @@ class Pipeline:
             outputs = _static_shapes(cap, g.outputs, micro_batch_rows)
             module = g.module
             if plan.precision != "fp32":
-                module = LowPrecision(module, plan.precision, device, [t.dtype for t in outputs])
+                # the last stage's outputs go to the loss as they are when partita computes it (precision.py)
+                keeps = index == plan.num_stages - 1 and loss_fn is not None
+                module = LowPrecision(module, plan.precision, device, None if keeps else [t.dtype for t in outputs])
             if plan.stages[index].recompute:
                 module = Recomputed(module)
             stage = RecordingStage(module, index, plan.num_stages, device,

@@ -35,7 +35,7 @@ from partita.runtime.batch import Loss
 from partita.runtime.fully_sharded import ShardedUnits, reshard_after_call, through_units
 from partita.runtime.grads import GradSync, Gradients
 from partita.runtime.pipeline import Pipeline
-from partita.runtime.precision import LossScale
+from partita.runtime.precision import LossScale, autocast
 from partita.runtime.route import Replica, TensorSpec
 from partita.runtime.state import broadcast_tensors
 from partita.schedule import Action
@@ -176,8 +176,11 @@ class Engine:
         scale = self._scale()
 
         def stage_loss(flat_out, tgt):
-            # the pipeline keeps the first call's function: it reads the scale of the call it runs in
-            return loss.fn(self._unflatten(list(flat_out)), tgt) * self._scale()
+            # the pipeline keeps the first call's function: it reads the scale of the call it runs in; under
+            # autocast, on the last stage's outputs as they are (precision.py)
+            with autocast(plan.precision, p.device):
+                value = loss.fn(self._unflatten(list(flat_out)), tgt)
+            return value * self._scale()
 
         pipe = self._pipeline(micro_batch_rows, True, stage_loss)
         inputs = self._gather_inputs(tensors)
