@@ -161,10 +161,13 @@ def review_step(planned: Planned, graph: ModelGraph, request: PlanRequest, measu
     else as measured before), and says whether another layout would then be faster; one estimated at least
     `SWITCH_GAIN` faster than the measured step is the review's `faster`, for the job to switch to."""
     plan = planned.plan
+    text = (f"a training step takes {seconds(measured_s)} (the median of {MEASURED_STEPS}, from a call of the model to "
+            f"the end of its backward or optimizer step)")
+    if plan.estimate is None:  # a plan made or edited by hand
+        return Review(logging.INFO, f"{text}; the plan given holds no estimate to compare it with")
     estimate_s = plan.estimate.step_s
     off = measured_s / estimate_s - 1
-    text = (f"a training step takes {seconds(measured_s)} (the median of {MEASURED_STEPS}, from a call of the model to "
-            f"the end of its backward or optimizer step); the plan estimated {seconds(estimate_s)} ({off:+.0%})")
+    text = f"{text}; the plan estimated {seconds(estimate_s)} ({off:+.0%})"
     if abs(off) <= OFF_BY:
         return Review(logging.INFO, text)
     if planned.profile is None or planned.cluster is None:

@@ -1,6 +1,7 @@
 """A step measured against the plan's estimate: said, and beyond 15 % the plan reviewed with partita's cost per
 step refitted to the measured step (planning.review_step)."""
 
+import dataclasses
 import logging
 import re
 
@@ -75,3 +76,15 @@ def test_a_switch_that_made_the_steps_no_faster_is_undone():
     undone = review_switch(planned, 0.2, now, 0.2)
     assert undone.faster is planned and undone.level == logging.WARNING
     assert "(+0%): the layout before is faster (stages=1, micro_batches=1" in undone.text, undone.text
+
+
+def test_a_plan_given_without_an_estimate_is_only_said():
+    """A plan made or edited by hand may hold no estimate: the measured step is said, nothing reviewed (it once
+    raised an InternalError on every rank at the call that completed the measurement)."""
+    graph, profile = graph_of([1] * 4)
+    plan = dataclasses.replace(choose_plan(graph, profile, cluster(2, 10**4), global_batch=16, optimizer_factor=1),
+                               estimate=None)
+    review = review_step(Planned(plan, None, None), graph, PlanRequest(Constraints(), plan, 1), 0.25)
+    assert review.level == logging.INFO and review.faster is None
+    assert review.text.endswith("250 ms (the median of 5, from a call of the model to the end of its backward or "
+                                "optimizer step); the plan given holds no estimate to compare it with"), review.text
