@@ -199,6 +199,21 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
             "sharded_params": sharded, **report}
 
 
+def optimizer_rates() -> dict:
+    """The MLP's first call with Adam, then with SGD and momentum, measured: the rate rank 0's profile holds
+    for each optimizer's step (None on other ranks)."""
+    rates = {}
+    for name in ("adam", "sgd"):
+        torch.manual_seed(0)
+        model = CASES["mlp"].make()
+        opt = _optimizer(name, model)
+        pm = partita.parallelize(model, opt, loss_fn=torch.nn.MSELoss(), stages=1, micro_batches=1)
+        args, _, target = CASES["mlp"].batch(8, torch.Generator().manual_seed(1))
+        pm(*args, target).backward()
+        rates[name] = pm.planned.profile.optimizer_bps if pm.planned.profile is not None else None
+    return rates
+
+
 @mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
 def what_the_loss_sees(precision: str, **plan_args) -> dict:
     """One step of the GPT computing in `precision` with a loss that notes the dtype of the logits it gets and

@@ -91,11 +91,8 @@ def measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loca
     # measuring draws random inputs and seeds its own models: the user's random streams (just restored from a
     # checkpoint, perhaps) must come out as they went in
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        profile, cluster = _measure(cap, graph, local_batch, device, local_world_size, memory_per_rank,
-                                    parallelize, show_progress, compute_dtype)
-        if profile is not None and optimizer is not None:
-            profile = replace(profile, optimizer_bps=_optimizer_rate(optimizer, graph, device))
-        return profile, cluster
+        return _measure(cap, graph, local_batch, device, local_world_size, memory_per_rank, parallelize,
+                        show_progress, compute_dtype, optimizer)
 
 
 @dataclass(frozen=True)
@@ -114,7 +111,8 @@ class _Job:
 
 def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, local_world_size: int,
              memory_per_rank: int, parallelize: Parallelize, show_progress: bool,
-             compute_dtype: torch.dtype | None) -> tuple[Profile | None, Cluster | None]:
+             compute_dtype: torch.dtype | None,
+             optimizer: OptimizerKind | None) -> tuple[Profile | None, Cluster | None]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     job = _Job(rank, world, local_world_size, device, device_spec(device),
@@ -130,7 +128,8 @@ def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loc
     cached_links = cache.load("links", links_key) if rank == 0 else None
     if job.say:
         _announce(graph, local_batch, world, cached_profile is not None, cached_links is not None)
-    if _agreed(cached_profile is not None):
+    profile_cached = _agreed(cached_profile is not None)
+    if profile_cached:
         profile = Profile.from_json(cached_profile) if rank == 0 else None
     else:
         profile = _block_costs(cap, graph, local_batch, job)
@@ -145,18 +144,21 @@ def _measure(cap, graph: ModelGraph, local_batch: int, device: torch.device, loc
     overhead = _process_bytes(device, cap.module)
     if rank != 0:
         return None, None
+    if optimizer is not None:  # right after measuring blocks, a GPU is loaded already
+        profile = replace(profile, optimizer_bps=_optimizer_rate(optimizer, graph, device, warm_first=profile_cached))
     return profile, _cluster(job, memory_per_rank, links, overhead)
 
 
-def _optimizer_rate(optimizer: OptimizerKind, graph: ModelGraph, device: torch.device) -> float:
-    """`optimizer_rate` for this model's parameters on `device`, cached."""
+def _optimizer_rate(optimizer: OptimizerKind, graph: ModelGraph, device: torch.device, warm_first: bool) -> float:
+    """`optimizer_rate` for this model's parameters on `device`, cached; `warm_first`: load an idle GPU first."""
     param_bytes, tensors = sum(graph.param_bytes.values()), len(graph.param_bytes)
     key = cache.key(MEASUREMENT_VERSION, optimizer.description, param_bytes, tensors, device_spec(device).name,
                     str(device.type), torch.__version__)
     cached = cache.load("optimizer", key)
     if cached is not None:
         return float(cached)
-    warm_up(device)
+    if warm_first:
+        warm_up(device)
     rate = optimizer_rate(optimizer, param_bytes, tensors, device)
     cache.store("optimizer", key, repr(rate))
     return rate

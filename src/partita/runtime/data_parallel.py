@@ -31,8 +31,9 @@ class DataParallel(Runtime):
         # another collective first
         self.agrees_before_forward = isinstance(self.ddp, DistributedDataParallel) and self.ddp.broadcast_buffers \
             and any(True for _ in module.buffers())
-        # outputs leave in the captured graph's dtypes, as a pipeline's do (precision.py)
-        self.out_dtypes = [o.meta["val"].dtype if isinstance(o, fx.Node) else None for o in cap.outputs]
+        # outputs leave in the captured graph's dtypes, as a pipeline's do (precision.py); in fp32 they are
+        self.out_dtypes = None if plan.precision == "fp32" else \
+            [o.meta["val"].dtype if isinstance(o, fx.Node) else None for o in cap.outputs]
 
     def __call__(self, call: Call):
         if self.agrees_before_forward:
