@@ -25,6 +25,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from turns import seconds_per_step, warmed_step  # noqa: E402
 
 ROUNDS = 3  # turns of every configuration, interleaved
+# calls before timing: past the step at which a job may switch to a faster layout, and back (turns.warmed_step)
+WARM_CALLS = 20
 GRID = [(1, 1, "GPipe"), (2, 2, "GPipe"), (2, 4, "GPipe"), (2, 4, "1F1B"), (2, 8, "1F1B"), (4, 4, "GPipe"),
         (4, 4, "1F1B"), (4, 8, "1F1B")]  # stages, micro-batches, schedule
 
@@ -88,7 +90,7 @@ def worker(out: str, steps: int) -> None:
         model, loss_fn, batch, local_batch = make()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         pm = partita.parallelize(model, opt, loss_fn=loss_fn, **plan_args)
-        return pm, warmed_step(pm, opt, *batch(local_batch)), local_batch * w.world_size
+        return pm, warmed_step(pm, opt, *batch(local_batch), WARM_CALLS), local_batch * w.world_size
 
     grid = [(st, m, sc) for st, m, sc in GRID if w.world_size % st == 0]
     gpt = [build(_gpt)] + [build(_gpt, stages=st, micro_batches=m, schedule=sc) for st, m, sc in grid]

@@ -100,7 +100,8 @@ def main() -> None:
         return worker(args.worker, args.steps, json.loads(args.configs))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, PARTITA_CACHE_DIR=os.path.join(tmp, "cache"), PARTITA_LOG="off")
+        env = dict(os.environ, PARTITA_CACHE_DIR=os.path.join(tmp, "cache"), PARTITA_LOG="off",
+                   PARTITA_SWITCH_LAYOUT="off")  # each plan's estimate against its own steps
         for ranks in sorted({c[1] for c in CONFIGS}):
             configs = [c for c in CONFIGS if c[1] == ranks]
             out = os.path.join(tmp, f"r{ranks}.json")

@@ -103,7 +103,7 @@ class ParallelModule(nn.Module):
         enough were measured, rank 0 says how they compare with the plan's estimate (`planning.review_step`), and
         where another layout is enough faster, every rank moves to it before running this call
         (`planning.agreed_switch`, `checkpoint.relayout`). The steps after a switch are timed again, and a
-        switch that made them no faster is undone (`planning.review_switch`)."""
+        switch that made them slower is undone (`planning.review_switch`)."""
         measured_s = self._clock.called(call.rows, training, called)
         if measured_s is None:
             return

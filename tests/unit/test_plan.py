@@ -288,3 +288,24 @@ def test_the_last_stage_holds_what_the_loss_keeps_of_the_outputs():
         assert added == (copies * held + 1) * 2 * MB * layout.micro_batch_rows
         if last:
             assert loss.priced(0, 0, 2, False, "none").memory == plain.priced(0, 0, 2, False, "none").memory
+
+
+def test_a_timed_fit_is_never_cheaper_per_row_below_the_rows_timed():
+    line = Fit.through(2, 2e-3, 16, 32e-3)  # falls to zero rows faster than in proportion: a negative fixed cost
+    fit = Fit.timed(2, 2e-3, 16, 32e-3)
+    assert line.lines[0][0] < 0
+    assert fit.at(2) == pytest.approx(2e-3) and fit.at(16) == pytest.approx(32e-3)
+    assert fit.at(8) == pytest.approx(line.at(8))  # between the measurements: the line
+    assert fit.at(1) == pytest.approx(1e-3) and line.at(1) < 1e-3  # below: the smaller measurement's cost per row
+    assert Fit.timed(2, 5e-3, 16, 19e-3) == Fit.through(2, 5e-3, 16, 19e-3)  # a fixed cost >= 0: the line alone
+
+
+def test_blocks_timed_cheaper_per_row_at_few_rows_do_not_split_the_batch_into_single_rows():
+    """Timed alone at 2 and 16 rows, a block's line has a negative fixed cost (2 rows ran in a hot cache);
+    extended to one row, it made micro-batches of one row look cheapest per row. Micro-batches of 2 rows, as
+    timed, are the cheapest there are."""
+    graph, _ = model([1e-4] * 8)
+    timed = Profile("test", tuple(BlockCost(Fit.timed(2, 2e-4, 16, 3.2e-3), Fit.timed(2, 4e-4, 16, 6.4e-3),
+                                            Fit.line(0, 0.1 * MB)) for _ in range(8)))
+    plan = choose_plan(graph, timed, cluster(1, 10**4), global_batch=16, optimizer_factor=2)
+    assert plan.micro_batches == 8

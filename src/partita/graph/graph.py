@@ -39,6 +39,17 @@ class Fit:
         per_row = (value_b - value_a) / (rows_b - rows_a)
         return cls.line(value_a - per_row * rows_a, per_row)
 
+    @classmethod
+    def timed(cls, rows_a: float, seconds_a: float, rows_b: float, seconds_b: float) -> "Fit":
+        """Seconds timed at `rows_a` < `rows_b` rows: the line through both, and below `rows_a` never less per
+        row than there. A block timed alone at few rows runs in a cache that holds all it reads (on a CPU), so
+        its line can fall towards zero rows faster than in proportion (a negative fixed cost); extended below
+        the measurements it priced a micro-batch of one row at a third of what it takes in a training step, and
+        the planner split batches into micro-batches of one row that ran twice as long as estimated."""
+        line = cls.through(rows_a, seconds_a, rows_b, seconds_b)
+        (fixed, _), = line.lines
+        return line if fixed >= 0 else cls((*line.lines, (0.0, seconds_a / rows_a)))
+
     def at(self, rows: float) -> float:
         return max(0.0, max(f + p * rows for f, p in self.lines))
 

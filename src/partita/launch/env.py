@@ -9,7 +9,6 @@ bounded timeout, so that a dead peer ends the job instead of hanging it.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import gc
 import logging
 import os
@@ -73,24 +72,6 @@ def _set_cpu_threads(local_world_size: int) -> None:
                                      threads.launcher_environ(os.environ))
     if count is not None:
         torch.set_num_threads(count)
-
-
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-BIG_BLOCK_BYTES = 2**20
-
-
-def _return_big_blocks_to_system() -> None:
-    """Tensors of 1 MiB and more are mapped and unmapped by themselves (glibc's malloc; others have their own
-    rules). glibc otherwise raises its mmap threshold to 32 MiB after freeing a big block and keeps freed
-    blocks below it in per-thread heaps: a CPU rank's resident memory then grows with every buffer a step
-    allocates and frees (FSDP's gathered parameters, its reduce-scatter inputs), far beyond what it holds,
-    which is what the plan's memory describes. Unless the user set it (MALLOC_MMAP_THRESHOLD_)."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, BIG_BLOCK_BYTES)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def _join(me: Placement, backend: str, device: torch.device) -> None:
@@ -196,7 +177,6 @@ def init() -> World:
     else:
         backend, device = "gloo", torch.device("cpu")
         _set_cpu_threads(me.local_world_size)
-        _return_big_blocks_to_system()
     if not dist.is_initialized():
         if me.join is Join.STORE and me.address is None:
             me = mpi.agree_address(me, os.environ)  # only mpirun leaves the address to be agreed

@@ -27,7 +27,7 @@ from partita.profile.overheads import Parallelize, measure_overheads
 
 __all__ = ["OptimizerKind", "Parallelize", "device_spec", "measure"]
 
-MEASUREMENT_VERSION = 7  # part of every cache key: measurements made differently are not reused
+MEASUREMENT_VERSION = 8  # part of every cache key: measurements made differently are not reused
 
 log = logging.getLogger("partita")
 

@@ -378,7 +378,7 @@ def _measure_share(cap: CapturedGraph, graph: ModelGraph, first_of: dict[str, Bl
     results = {}
     for sig in mine:
         (f1, b1, a1), (f2, b2, a2) = m[sig, r1], m[sig, r2]
-        results[sig] = (Fit.through(r1, f1, r2, f2), Fit.through(r1, b1, r2, b2), Fit.through(r1, a1, r2, a2))
+        results[sig] = (Fit.timed(r1, f1, r2, f2), Fit.timed(r1, b1, r2, b2), Fit.through(r1, a1, r2, a2))
     return results
 
 

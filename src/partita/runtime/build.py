@@ -30,6 +30,7 @@ from partita.runtime.batch import Call, Loss
 from partita.runtime.data_parallel import DataParallel
 from partita.runtime.fully_sharded import ShardedUnits, shard_stages
 from partita.runtime.groups import stage_groups
+from partita.runtime.host_heap import set_for as set_heap_for
 from partita.runtime.materialize import Initial, materialize
 from partita.runtime.ownership import named_state, ownership
 from partita.runtime.pipeline_parallel import PipelineParallel
@@ -46,6 +47,7 @@ def build_runtime(module: nn.Module, cap: CapturedGraph, graph: ModelGraph, plan
     data_parallel = plan.runs_under_ddp
     # torch's DDP wants every parameter on every rank
     keep = set(named_state(module)) if data_parallel else owners.kept_by(rank, module)
+    set_heap_for(plan, device)
     materialize(module, optimizer, keep, device=device, initial=initial)
     # groups over each stage's replicas, where something is kept equal or split among them (every process group
     # costs each of its ranks a transport thread for the job's life)
