@@ -1,4 +1,5 @@
-"""partita on CUDA: one rank trains as plain PyTorch does (fp32 to 1e-5, bf16 to 5e-3), measuring runs on the
+"""partita on CUDA: one rank trains as plain PyTorch does (fp32 to 1e-5, bf16 to 5e-3, fp16 with torch's loss
+scaling to 2^-10), measuring runs on the
 GPU with CUDA events, a node with more ranks than GPUs stops with partita's error, and a model bigger than one
 GPU trains split over the node's GPUs.
 
@@ -30,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RANKS = Path(__file__).with_name("ranks.py")
 STEPS = 3
 BF16_TOLERANCE = 5e-3  # |loss - plain PyTorch's loss| under the same autocast: bf16 has 8 bits of mantissa
+FP16_TOLERANCE = 2**-10  # the same for fp16 (11 bits): twice its unit roundoff
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @pytest.fixture(autouse=True)
@@ -77,21 +80,25 @@ def _batches(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train(model, opt, batches, precision: str | None = None) -> list[float]:
+    """Losses of training `model` (model(x, y) is the loss) or, given a precision, of one process under autocast
+    (float16 with torch's loss scaling, from partita's starting scale)."""
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 16, enabled=precision == "fp16")
     losses = []
     for x, y in batches:
         opt.zero_grad()
         if precision is None:
             loss = model(x, y)
         else:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=LOW[precision]):
                 loss = nn.functional.mse_loss(model(x).float(), y)
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()  # disabled: the loss itself
+        scaler.step(opt)  # disabled: opt.step()
+        scaler.update()
         losses.append(loss.item())
     return losses
 
 
-@pytest.mark.parametrize("precision,tolerance", [("fp32", 1e-5), ("bf16", BF16_TOLERANCE)])
+@pytest.mark.parametrize("precision,tolerance", [("fp32", 1e-5), ("bf16", BF16_TOLERANCE), ("fp16", FP16_TOLERANCE)])
 def test_one_rank_trains_as_plain_pytorch(precision, tolerance):
     """The model arrives on the CPU and partita places it on the GPU; inputs are on the GPU."""
     device = partita.init().device
