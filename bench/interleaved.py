@@ -7,13 +7,14 @@ import time
 from collections.abc import Callable
 
 import torch.distributed as dist
+from turns import WARM_CALLS
 
 
-def timed_blocks(arms: dict[str, Callable[[], None]], blocks: int, steps: int, warm_up: int = 20) -> dict[str, float]:
-    """Seconds each arm took for `blocks` x `steps` of its steps, after `warm_up` steps of each: a partita model's
-    first call captures, plans and builds, its eighth reviews the measured steps (planning again, and maybe
-    switching layouts), and the 16th reviews a switch (turns.warmed_step). Every rank must call it with the same
-    arms."""
+def timed_blocks(arms: dict[str, Callable[[], None]], blocks: int, steps: int,
+                 warm_up: int = WARM_CALLS) -> dict[str, float]:
+    """Seconds each arm took for `blocks` x `steps` of its steps, after `warm_up` steps of each (past the calls at
+    which a partita model plans, reviews its steps and may switch layouts: turns.WARM_CALLS). Every rank must
+    call it with the same arms."""
     for step in arms.values():
         for _ in range(warm_up):
             step()

@@ -22,11 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from turns import seconds_per_step, warmed_step  # noqa: E402
+from turns import WARM_CALLS, seconds_per_step, warmed_step  # noqa: E402
 
 ROUNDS = 3  # turns of every configuration, interleaved
-# calls before timing: past the step at which a job may switch to a faster layout, and back (turns.warmed_step)
-WARM_CALLS = 20
 GRID = [(1, 1, "GPipe"), (2, 2, "GPipe"), (2, 4, "GPipe"), (2, 4, "1F1B"), (2, 8, "1F1B"), (4, 4, "GPipe"),
         (4, 4, "1F1B"), (4, 8, "1F1B")]  # stages, micro-batches, schedule
 

@@ -7,10 +7,14 @@ import time
 from collections.abc import Callable
 
 
+# A partita job's first call captures, measures and plans; it times its steps from the fourth call and may switch
+# to a faster layout at the eighth (and switch back at the 16th): to time what it runs from then on, warm it
+# this many calls
+WARM_CALLS = 20
+
+
 def warmed_step(pm, opt, x, y, calls: int = 2) -> Callable[[], None]:
-    """One training step of `pm` on (x, y), after `calls` calls: the first captures, measures and plans.
-    A job times its steps from the fourth call and may switch to a faster layout at the eighth (and switch back
-    at the 16th): to time what it runs from then on, warm it past them."""
+    """One training step of `pm` on (x, y), after `calls` calls (WARM_CALLS for a job that may switch)."""
     def step():
         opt.zero_grad()
         pm(x, y).backward()
