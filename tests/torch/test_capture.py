@@ -1,7 +1,5 @@
 """Capture and split in one process: the stage chain computes what the model computes."""
 
-import copy
-
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -71,6 +69,22 @@ def test_eval_graph_maps_onto_the_training_plan():
     assert stages == sorted(stages) and set(stages) == {0, 1}
     out = run_stages(evaluation, split(evaluation, stages, 2), (x,), {})
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+
+
+def test_graphs_record_the_users_lines_unless_counted_only_for_planning():
+    """A stage's graph knows the user's line of each op (a stage that fails shows it); a capture only counted
+    for planning (`partita plan`) skips recording them, and is the same graph otherwise."""
+    model = CASES["tied_embedding"].make()
+    args = (torch.randint(0, 50, (2, 6)),)
+    lines, bare = capture(model, args, {}), capture(model, args, {}, source_lines=False)
+    ops = [n for n in lines.gm.graph.nodes if n.op == "call_function"]
+    assert ops and all("zoo.py" in n.meta.get("stack_trace", "") for n in ops)
+    assert not any(n.meta.get("stack_trace") for n in bare.gm.graph.nodes)
+    def graph(cap):
+        return [(n.op, str(n.target)) for n in cap.gm.graph.nodes]
+
+    assert graph(bare) == graph(lines)
+    assert not torch.fx.config.do_not_emit_stack_traces  # the switch is torch's own, set back
 
 
 def test_capture_error_names_module_op_and_line():

@@ -11,9 +11,9 @@ from partita.cluster.presets import DEVICES
 from partita.cluster.cluster import RuntimeOverheads
 from partita.graph import Block, BlockCost, Fit, ModelGraph, Profile
 from partita.plan.bounds import Remainder, gpipe, layout_bound
-from partita.plan.cost import CostModel, Layout
+from partita.plan.cost import CostModel
 from partita.plan.rank_loads import RankLoads, StageFloors
-from partita.plan.search import Constraints, PartitionSearch, _Warmup, evaluate, layouts, search
+from partita.plan.search import SEARCH_BUDGET, Constraints, PartitionSearch, _Warmup, evaluate, layouts, search
 from partita.schedule import check_sizes, orders
 from partita.sim import StageCosts, simulate
 
@@ -407,3 +407,25 @@ def test_most_activations_is_at_least_those_of_any_blocks_within_the_work():
                    if sum(work[i] for i in chosen) <= limit * (1 - 1e-12))
         assert best <= most * (1 + 1e-12) + 1e-6
         assert rest.most_activations([(0, n)], sum(work) * 2) == pytest.approx(sum(acts), rel=1e-12)
+
+
+def test_the_look_for_a_shallower_plan_spends_a_quarter_of_the_budget_in_all(monkeypatch):
+    """choose_plan then searches each shallower depth for a plan within SIMPLER_WITHIN of the fastest. On a
+    model whose searches run out of budget, the depths share one quarter of the search budget: each spending
+    a quarter of its own made GPT-3 175B's planning 1.5 s longer (bench/planner_time.py)."""
+    import partita.plan.choose as choose
+
+    spent = []
+    real_search = choose.search
+
+    def recorded(*args, **kwargs):
+        result = real_search(*args, **kwargs)
+        spent.append(result.nodes)
+        return result
+
+    monkeypatch.setattr(choose, "search", recorded)
+    graph, profile, cluster = gpt_like(100, 16)
+    plan = choose.choose_plan(graph, profile, cluster, global_batch=8 * cluster.world_size, optimizer_factor=2.0)
+    shallower = spent[1:]
+    assert len(shallower) >= 2 and plan.pipeline_size > 2, spent  # more than one depth was looked at
+    assert sum(shallower) <= SEARCH_BUDGET // 4 * 1.01, spent

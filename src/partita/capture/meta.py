@@ -110,6 +110,6 @@ def meta_graph(target: str, inputs: list[str], dtype: str = "float32") -> tuple[
         model = model.to(weights)
         args = tuple(torch.empty((2, *shape), dtype=weights if t.is_floating_point else t) if t.is_floating_point
                      else torch.zeros((2, *shape), dtype=t) for shape, t in specs)
-    graph = model_graph(capture(model.train(), args, {}))
+    graph = model_graph(capture(model.train(), args, {}, source_lines=False))
     cache.store("graph", name, _graph_to_json(graph))
     return graph, False

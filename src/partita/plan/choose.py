@@ -54,15 +54,18 @@ def _fewer_pipeline_ranks(graph, profile, cluster, global_batch, optimizer_facto
     if constraints.stages is not None or constraints.replicas is not None:
         return None
     world = cluster.world_size
+    # a plan inside the window is all this asks for, not the best one: a quarter of the search budget, over
+    # all the shallower depths together (on a huge model none may come close, and each would spend it all)
+    budget = SEARCH_BUDGET // 4
     for depth in divisors(world):
-        if depth >= fastest.layout.pipeline_size:
+        if depth >= fastest.layout.pipeline_size or budget <= 0:
             return None
-        # a plan inside the window is all this asks for, not the best one: a quarter of the search budget
-        found = search(graph, profile, cluster, global_batch=global_batch, optimizer_factor=optimizer_factor,
-                       constraints=replace(constraints, replicas=world // depth), node_budget=node_budget,
-                       search_budget=SEARCH_BUDGET // 4, faster_than_s=fastest.step_s * (1 + SIMPLER_WITHIN)).best
-        if found is not None:
-            return found
+        result = search(graph, profile, cluster, global_batch=global_batch, optimizer_factor=optimizer_factor,
+                        constraints=replace(constraints, replicas=world // depth), node_budget=node_budget,
+                        search_budget=budget, faster_than_s=fastest.step_s * (1 + SIMPLER_WITHIN))
+        if result.best is not None:
+            return result.best
+        budget -= result.nodes
     return None
 
 
