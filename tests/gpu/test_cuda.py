@@ -207,3 +207,14 @@ def test_a_model_bigger_than_one_gpu_trains_split_over_stages(tmp_path):
     assert plan["stages"] > 1
     peaks = [r["peak_bytes"] for r in results if "peak_bytes" in r]
     assert len(peaks) == gpus and max(peaks) < plan["total_bytes"]
+
+
+def test_the_jobs_group_sums_cpu_and_gpu_tensors():
+    """The gradients go through NCCL, partita's own small collectives (the ranks' agreement on each call) through
+    gloo on CPU tensors: an NCCL-only group raised "No backend type associated with device type cpu" at the first
+    call of a job of 2 GPUs or more."""
+    partita.init()
+    for device in ("cpu", "cuda"):
+        t = torch.ones(2, device=device)
+        torch.distributed.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]

@@ -55,3 +55,16 @@ def test_init_stops_before_touching_the_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", touched)
     with pytest.raises(LaunchError, match=r"2 ranks but only 1 GPU is visible \(CUDA_VISIBLE_DEVICES '0'\)"):
         env.init()
+
+
+def test_a_gpu_job_has_a_backend_for_cpu_tensors_too():
+    """partita's own small collectives (the ranks' agreement on each call) sum CPU tensors in every job; a group
+    of NCCL alone has no backend for them ("No backend type associated with device type cpu"), so a job of
+    2 GPUs or more would fail at its first call. torch's own parsing of the backends says which serves what."""
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    def served(device):
+        return {d: str(b) for d, b in BackendConfig(Backend(env.backend_for(device))).get_device_backend_map().items()}
+
+    assert served(torch.device("cuda", 1)) == {"cpu": "gloo", "cuda": "nccl"}
+    assert served(torch.device("cpu"))["cpu"] == "gloo"

@@ -1,9 +1,9 @@
 """Join the job's process group from whatever launched this process.
 
 `init()` finds the launcher from its environment variables (Ray Train, torchrun / `partita run` /
-torch.distributed.launch, Open MPI's mpirun, Slurm's srun; one module each beside this one), picks the backend
-(gloo on CPU, nccl on CUDA with the device from the local rank) and creates the default process group with a
-bounded timeout, so that a dead peer ends the job instead of hanging it.
+torch.distributed.launch, Open MPI's mpirun, Slurm's srun; one module each beside this one), picks the backends
+(gloo on CPU; on CUDA nccl for GPU tensors, with the device from the local rank, and gloo for CPU ones) and
+creates the default process group with a bounded timeout, so that a dead peer ends the job instead of hanging it.
 """
 
 from __future__ import annotations
@@ -74,6 +74,13 @@ def _set_cpu_threads(local_world_size: int) -> None:
         torch.set_num_threads(count)
 
 
+def backend_for(device: torch.device) -> str:
+    """The process group's backends for ranks computing on `device`. On a GPU, NCCL sums and sends the GPU's
+    tensors, and gloo the CPU tensors of partita's own small collectives (the ranks' agreement on each call,
+    how a model was brought, object exchanges): a group of NCCL alone has no backend for CPU tensors."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def _join(me: Placement, backend: str, device: torch.device) -> None:
     """Create the default process group the way `me.join` says."""
     if me.join is Join.ALONE:
@@ -92,7 +99,7 @@ def _join(me: Placement, backend: str, device: torch.device) -> None:
     try:
         dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=me.rank,
                                 world_size=me.world_size, timeout=timeout(),
-                                device_id=device if backend == "nccl" else None)
+                                device_id=device if device.type == "cuda" else None)
     except Exception as e:  # noqa: BLE001 - re-raised with the cause attached
         raise LaunchError(
             f"rank {me.rank} of {me.world_size} could not join the process group of its {me.launcher} job ({e}). "
@@ -172,11 +179,12 @@ def init() -> World:
     if torch.cuda.is_available():
         index = gpus.gpu_of(me.local_rank, me.local_world_size, torch.cuda.device_count(),
                             os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("SLURM_GPUS_PER_TASK"))
-        backend, device = "nccl", torch.device("cuda", index)
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
-        backend, device = "gloo", torch.device("cpu")
+        device = torch.device("cpu")
         _set_cpu_threads(me.local_world_size)
+    backend = backend_for(device)
     if not dist.is_initialized():
         if me.join is Join.STORE and me.address is None:
             me = mpi.agree_address(me, os.environ)  # only mpirun leaves the address to be agreed
