@@ -1,6 +1,7 @@
 """`partita run` and plain `torchrun` start real processes that train like one process; a rank that dies ends
 the job within seconds, and the job names it."""
 
+import json
 import subprocess
 import time
 
@@ -76,3 +77,44 @@ def test_ranks_started_by_hand_name_the_rank_that_died(tmp_path):
     assert f"LaunchError: rank 1 (process {procs[1].pid}) ended, so a collective of rank 0 failed" in ranks[0].stderr, \
         output(ranks[0])
     assert seconds < 15
+
+
+# the script's own group has no backend for CPU tensors, as a group of NCCL alone (Ray Train's on GPUs, or a
+# script's init_process_group("nccl")) has none: gloo serving only CUDA tensors stands for it on this machine
+ADOPTED_WITHOUT_CPU = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+dist.init_process_group("cuda:gloo")
+import partita
+from partita.errors import BatchError
+from partita.runtime import agreement
+partita.init()
+out = {"rows": agreement.agree("the same", "the test", rows=3)}
+try:
+    agreement.agree(f"rank {partita.get_rank()}", "their inputs")
+except BatchError as e:
+    out["differ"] = str(e)
+try:
+    dist.all_reduce(torch.ones(1))
+except RuntimeError as e:
+    out["default_group"] = str(e)
+open(os.path.join(sys.argv[1], f"{partita.get_rank()}.json"), "w").write(json.dumps(out))
+os._exit(0)  # partita.shutdown's barrier would run on the CPU here, where NCCL's runs on the GPU
+"""
+
+
+def test_ranks_agree_over_an_adopted_group_without_a_cpu_backend(tmp_path):
+    """partita's own agreement sums CPU tensors; where the group it adopts has no backend for them, it makes a
+    gloo group beside it (agreement.cpu_group): ranks still agree, and still all raise the same error when they
+    do not, instead of "No backend type associated with device type cpu" at a job's first call."""
+    script = tmp_path / "adopted.py"
+    script.write_text(ADOPTED_WITHOUT_CPU)
+    proc = subprocess.run([str(BIN / "partita"), "run", "-n", "2", "--quiet", "--log-dir", str(tmp_path / "logs"),
+                           str(script), str(tmp_path)], capture_output=True, text=True, env=env(), timeout=120)
+    assert proc.returncode == 0, output(proc)
+    said = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    for out in said:
+        assert "No backend type associated with device type cpu" in out["default_group"]  # the premise holds
+        assert out["rows"] == [3, 3]
+        assert "ranks disagree on their inputs: ranks [0]: rank 0; ranks [1]: rank 1" in out["differ"]

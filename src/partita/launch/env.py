@@ -193,7 +193,7 @@ def init() -> World:
     if me.rank == 0 and ignored:
         _warn(ignored)
     if me.rank == 0 and me.world_size > 1:
-        _announce(me, backend)
+        _announce(me, dist.get_backend())  # an adopted group's own
     return _world
 
 

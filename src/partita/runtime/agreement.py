@@ -17,10 +17,13 @@ import enum
 import hashlib
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import BackendConfig
 
+from partita import settings
 from partita.capture.export import CallSignature
 from partita.errors import BatchError, PartitaError, RankError, as_partita, first_error
 
@@ -50,6 +53,35 @@ def _single() -> bool:
     return not dist.is_initialized() or dist.get_world_size() == 1
 
 
+def serves_cpu(backend: str) -> bool:
+    """Whether a group of `backend` (as torch.distributed.get_backend names it) has a backend for CPU tensors.
+
+    >>> serves_cpu("gloo"), serves_cpu("cpu:gloo,cuda:nccl"), serves_cpu("nccl")
+    (True, True, False)
+    """
+    return "cpu" in BackendConfig(dist.Backend(backend)).get_device_backend_map()
+
+
+# (the default group, the group cpu_group() chose beside it): chosen anew for a new default group
+_cpu_group_of: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)
+
+
+def cpu_group() -> dist.ProcessGroup | None:
+    """The group of every rank for partita's own small exchanges, which sum CPU tensors: the default group
+    (None) where it has a backend for them, as the groups partita creates have (launch.env.backend_for), else,
+    made once per default group, a gloo group beside it. A group of NCCL alone, which Ray Train or the user's
+    script may have created before partita adopted it, has none ("No backend type associated with device type
+    cpu"). Made at the first statement, which every rank makes at the same point of the job, as creating a
+    group needs."""
+    global _cpu_group_of
+    world = dist.group.WORLD
+    if _cpu_group_of[0] is not world:
+        beside = None if serves_cpu(dist.get_backend()) else \
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=settings.timeout_s()))
+        _cpu_group_of = (world, beside)
+    return _cpu_group_of[1]
+
+
 def _digest(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
@@ -74,7 +106,7 @@ def _post(state: State, rows: int, text: str, error: RankError | None = None) ->
     word = _digest(f"{int(state)} {rows} {text}")
     extremes = torch.tensor([word, -word], dtype=torch.int64)
     return _Posted(state, rows, text, error, _calls, extremes,
-                   dist.all_reduce(extremes, op=dist.ReduceOp.MAX, async_op=True))
+                   dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=cpu_group(), async_op=True))
 
 
 def _said(posted: _Posted) -> list[_Said]:
@@ -84,7 +116,8 @@ def _said(posted: _Posted) -> list[_Said]:
     if int(posted.extremes[0]) == -int(posted.extremes[1]):
         return [_Said(posted.state, -1, posted.rows, posted.text, posted.error)] * dist.get_world_size()
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (int(posted.state), posted.calls, posted.rows, posted.text, posted.error))
+    dist.all_gather_object(every, (int(posted.state), posted.calls, posted.rows, posted.text, posted.error),
+                           group=cpu_group())
     return [_Said(State(s), calls, r, t, e) for s, calls, r, t, e in every]
 
 

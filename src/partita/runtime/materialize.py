@@ -188,7 +188,7 @@ def _agree_on_meta(places: list[_Place]) -> None:
         return
     n = sum(p.tensor.is_meta for p in places)
     extremes = torch.tensor([n, -n], dtype=torch.int64)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=agreement.cpu_group())
     most, fewest = int(extremes[0]), -int(extremes[1])
     if most != fewest:
         raise ModelError(f"the ranks built the model differently: {fewest} of its tensors are on the meta device "
