@@ -150,7 +150,7 @@ class ParallelModule(nn.Module):
         same_shapes = self._runtime is None or self._runtime.same_shapes
         description = agreement.describe_call(tensors, target, signature, same_shapes=same_shapes,
                                               training=self.module.training)
-        return agreement.start_call(description, rows, problem)
+        return agreement.start_call(description, rows, problem, first=self._runtime is None, same_sizes=same_shapes)
 
     def _setup(self, call: Call) -> None:
         world = env.world()

@@ -55,6 +55,14 @@ def test_sequence_lengths_may_differ_between_ranks_under_data_parallel(pools):
     assert first["error"] is None and first["loss"] == second["loss"]
 
 
+def test_sequence_lengths_that_differ_under_a_sharded_layout_say_why_and_what_to_do(pools):
+    """Data parallelism under an FSDP level runs as a pipeline: the error says that this plan needs the same
+    sizes, and names the layout where they may differ."""
+    msg = errors(pools.run(2, "support.cases:bad_input", "sequence_lengths_differ_sharded"), "BatchError")
+    assert "ranks disagree on their inputs" in msg and "(5, 32)" in msg and "(7, 32)" in msg
+    assert "This plan also needs the same sizes beyond the batch dimension" in msg and 'sharding="none"' in msg
+
+
 def test_ranks_disagree_on_features(pools):
     msg = errors(pools.run(2, "support.cases:bad_input", "features_disagree"), "BatchError")
     assert "ranks disagree on their inputs" in msg and "(32,)" in msg and "(16,)" in msg

@@ -645,11 +645,12 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
             pm = partita.parallelize(model, stages=1)
             torch.nn.functional.mse_loss(pm(x), y).backward()
             pm(x.requires_grad_() if rank == 1 else x)
-        elif scenario == "sequence_lengths_differ":  # fine under data parallelism, as with DDP
+        elif scenario in ("sequence_lengths_differ", "sequence_lengths_differ_sharded"):
             seq = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 32))
-            # DDP's runtime: data parallelism under FSDP's levels runs as a pipeline, with the same sizes on
-            # every rank, and measured costs may choose it for this model
-            pm = partita.parallelize(seq, loss_fn=torch.nn.MSELoss(), stages=1, sharding="none")
+            # fine under DDP; data parallelism under FSDP's levels runs as a pipeline, which needs the same sizes
+            # on every rank (and measured costs may choose it for this model: DDP is pinned where wanted)
+            pm = partita.parallelize(seq, loss_fn=torch.nn.MSELoss(), stages=1,
+                                     sharding="gradients" if scenario.endswith("sharded") else "none")
             pm(torch.randn(4, 5, 32), torch.randn(4, 5, 32)).backward()
             length = 5 if rank == 0 else 7
             loss = pm(torch.randn(4, length, 32), torch.randn(4, length, 32))

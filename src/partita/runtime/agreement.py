@@ -150,9 +150,10 @@ class Agreement:
     exchange of every statement next."""
 
     def __init__(self, what: str, problem: BaseException | None, rows: int, posted: _Posted | None,
-                 counted: bool = False):
+                 counted: bool = False, advice: str = ""):
         self.what, self.problem, self.posted = what, problem, posted
         self.counted = counted  # a call of a parallelized model, counted in `_calls` once agreed
+        self.advice = advice or SAME_INPUTS  # what to do where statements differ
         self._rows = (rows,) if posted is None else None
 
     def rows(self) -> tuple[int, ...]:
@@ -173,26 +174,26 @@ class Agreement:
             for r, s in enumerate(said):
                 groups.setdefault(s.text, []).append(r)
             detail = "; ".join(f"ranks {rs}: {t}" for t, rs in groups.items())
-            error = BatchError(f"ranks disagree on {self.what}: {detail}. Every rank must pass inputs of the same "
-                               "structure, shapes and dtypes (a DistributedSampler with drop_last=True does this).")
+            error = BatchError(f"ranks disagree on {self.what}: {detail}. {self.advice}")
         if error is not None:
             raise error from self.problem
         return tuple(s.rows for s in said)
 
 
 def start_agreeing(description: str, what: str, problem: BaseException | None = None, rows: int = 0,
-                   counted: bool = False) -> Agreement:
+                   counted: bool = False, advice: str = "") -> Agreement:
     """Post this rank's statement (see `agree`); a rank with a `problem` waits for the others at once.
-    `counted`: a call of a parallelized model (`Agreement.counted`)."""
+    `counted`: a call of a parallelized model (`Agreement.counted`); `advice`: what to do where statements
+    differ (`Agreement.advice`)."""
     if _single():
         if problem is not None:
             raise as_partita(problem) from problem
         return Agreement(what, None, rows, None)
     if problem is None:
-        return Agreement(what, None, rows, _post(State.CALLING, rows, description), counted)
+        return Agreement(what, None, rows, _post(State.CALLING, rows, description), counted, advice)
     failed = RankError.of(dist.get_rank(), problem)
     agreement = Agreement(what, problem, rows, _post(State.FAILING, rows, f"{failed.kind}: {failed.message}", failed),
-                          counted)
+                          counted, advice)
     agreement.rows()  # raises this rank's problem, as every rank does
     return agreement
 
@@ -210,9 +211,30 @@ def describe_call(tensors: list[torch.Tensor], target: torch.Tensor | None, sign
     return f"{structure} {shapes} training={training} grad={torch.is_grad_enabled()}"
 
 
-def start_call(description: str, rows: int, problem: BaseException | None = None) -> Agreement:
-    """`start_agreeing` at the start of a call of a parallelized model, counted once agreed."""
-    return start_agreeing(description, "their inputs", problem, rows, counted=True)
+SAME_INPUTS = ("Every rank must pass inputs of the same structure and dtypes (a DistributedSampler with "
+               "drop_last=True does this).")
+
+
+def call_advice(first: bool, same_sizes: bool) -> str:
+    """What to do where the ranks' calls differ: besides the same structure and dtypes everywhere, the same
+    sizes beyond the batch dimension where the call needs them (`describe_call`'s `same_shapes`)."""
+    if first:
+        return (f"{SAME_INPUTS[:-1]}, and the first call, which partita captures and plans from, the same sizes "
+                "beyond the batch dimension (later calls may differ where the plan is DDP's).")
+    if same_sizes:
+        return (f"{SAME_INPUTS} This plan also needs the same sizes beyond the batch dimension on every rank: it "
+                "runs the model as a pipeline (data parallelism under an FSDP sharding level runs as one), whose "
+                "stages are built for them. Pad every rank's inputs to the same sizes, or train under DDP "
+                "(stages=1, micro_batches=1, sharding=\"none\"), where each rank's sizes may differ.")
+    return SAME_INPUTS
+
+
+def start_call(description: str, rows: int, problem: BaseException | None = None, *, first: bool = False,
+               same_sizes: bool = True) -> Agreement:
+    """`start_agreeing` at the start of a call of a parallelized model, counted once agreed. `first`: the call
+    that captures and plans; `same_sizes`: the plan needs the same sizes beyond the batch dimension."""
+    return start_agreeing(description, "their inputs", problem, rows, counted=True,
+                          advice=call_advice(first, same_sizes))
 
 
 @contextlib.contextmanager
