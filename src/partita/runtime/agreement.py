@@ -153,7 +153,7 @@ class Agreement:
                  counted: bool = False, advice: str = ""):
         self.what, self.problem, self.posted = what, problem, posted
         self.counted = counted  # a call of a parallelized model, counted in `_calls` once agreed
-        self.advice = advice or SAME_INPUTS  # what to do where statements differ
+        self.advice = advice or SAME_INPUTS_AND_SIZES  # what to do where statements differ
         self._rows = (rows,) if posted is None else None
 
     def rows(self) -> tuple[int, ...]:
@@ -213,6 +213,8 @@ def describe_call(tensors: list[torch.Tensor], target: torch.Tensor | None, sign
 
 SAME_INPUTS = ("Every rank must pass inputs of the same structure and dtypes (a DistributedSampler with "
                "drop_last=True does this).")
+SAME_INPUTS_AND_SIZES = ("Every rank must pass inputs of the same structure, shapes and dtypes (a DistributedSampler "
+                         "with drop_last=True does this).")
 
 
 def call_advice(first: bool, same_sizes: bool) -> str:
