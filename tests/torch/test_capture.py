@@ -80,6 +80,7 @@ def test_graphs_record_the_users_lines_unless_counted_only_for_planning():
     ops = [n for n in lines.gm.graph.nodes if n.op == "call_function"]
     assert ops and all("zoo.py" in n.meta.get("stack_trace", "") for n in ops)
     assert not any(n.meta.get("stack_trace") for n in bare.gm.graph.nodes)
+
     def graph(cap):
         return [(n.op, str(n.target)) for n in cap.gm.graph.nodes]
 
