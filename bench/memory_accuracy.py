@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from partita.runtime.host_heap import HEAP_ROOM, MAPPED_BYTES, uses_heap
+from partita.runtime.host_heap import HEAP_ROOM, MAPPED_BYTES, set_by_user, uses_heap
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("mlp", "gpt")
@@ -110,7 +110,7 @@ def worker(out: str, name: str, layout: str, steps: int) -> None:
     every = [None] * w.world_size
     torch.distributed.all_gather_object(every, {"measured": peak, "predicted": stages[0].memory_bytes,
                                                "before": before})
-    heap = uses_heap(plan) and "MALLOC_MMAP_THRESHOLD_" not in os.environ
+    heap = uses_heap(plan) and not set_by_user()
     if w.rank == 0:
         Path(out).write_text(json.dumps({"ranks": every, "plan": plan.explain().splitlines()[0], "heap": heap,
                                          "sharding": sorted({s.sharding for s in plan.stages}),

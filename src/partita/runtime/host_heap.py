@@ -50,9 +50,14 @@ def thresholds(plan: Plan) -> tuple[int, int]:
     return (HEAP_BYTES, 2 * HEAP_BYTES) if uses_heap(plan) else (MAPPED_BYTES, GLIBC_TRIM_BYTES)
 
 
+def set_by_user() -> bool:
+    """Whether the user set glibc's mmap threshold (MALLOC_MMAP_THRESHOLD_), which `set_for` leaves alone."""
+    return "MALLOC_MMAP_THRESHOLD_" in os.environ
+
+
 def set_for(plan: Plan, device: torch.device) -> None:
     """Set this process's heap for `plan` where it computes on the CPU (a GPU's memory has its own allocator)."""
-    if device.type != "cpu" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if device.type != "cpu" or set_by_user():
         return
     try:
         libc = ctypes.CDLL("libc.so.6")
