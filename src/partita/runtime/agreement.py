@@ -211,24 +211,28 @@ def describe_call(tensors: list[torch.Tensor], target: torch.Tensor | None, sign
     return f"{structure} {shapes} training={training} grad={torch.is_grad_enabled()}"
 
 
-SAME_INPUTS = ("Every rank must pass inputs of the same structure and dtypes (a DistributedSampler with "
-               "drop_last=True does this).")
-SAME_INPUTS_AND_SIZES = ("Every rank must pass inputs of the same structure, shapes and dtypes (a DistributedSampler "
-                         "with drop_last=True does this).")
+def _same_inputs(what: str, after: str = "") -> str:
+    return (f"Every rank must pass inputs of the same {what} (a DistributedSampler with drop_last=True does "
+            f"this){after}.")
+
+
+SAME_INPUTS_AND_SIZES = _same_inputs("structure, shapes and dtypes")
 
 
 def call_advice(first: bool, same_sizes: bool) -> str:
     """What to do where the ranks' calls differ: besides the same structure and dtypes everywhere, the same
     sizes beyond the batch dimension where the call needs them (`describe_call`'s `same_shapes`)."""
     if first:
-        return (f"{SAME_INPUTS[:-1]}, and the first call, which partita captures and plans from, the same sizes "
-                "beyond the batch dimension (later calls may differ where the plan is DDP's).")
+        return _same_inputs("structure and dtypes", ", and the first call, which partita captures and plans from, "
+                            "the same sizes beyond the batch dimension (later calls may differ where the plan is "
+                            "DDP's)")
     if same_sizes:
-        return (f"{SAME_INPUTS} This plan also needs the same sizes beyond the batch dimension on every rank: it "
-                "runs the model as a pipeline (data parallelism under an FSDP sharding level runs as one), whose "
-                "stages are built for them. Pad every rank's inputs to the same sizes, or train under DDP "
-                "(stages=1, micro_batches=1, sharding=\"none\"), where each rank's sizes may differ.")
-    return SAME_INPUTS
+        return (f"{_same_inputs('structure and dtypes')} This plan also needs the same sizes beyond the batch "
+                "dimension on every rank: it runs the model as a pipeline (data parallelism under an FSDP sharding "
+                "level runs as one), whose stages are built for them. Pad every rank's inputs to the same sizes, "
+                "or train under DDP (stages=1, micro_batches=1, sharding=\"none\"), where each rank's sizes may "
+                "differ.")
+    return _same_inputs("structure and dtypes")
 
 
 def start_call(description: str, rows: int, problem: BaseException | None = None, *, first: bool = False,
