@@ -1,7 +1,9 @@
 """The search is exact within its space: it agrees with brute force on every small instance; its bounds never
 exceed a simulated step; it proves its plan optimal on instances of the demo's size."""
 
+import dataclasses
 import itertools
+import math
 import random
 
 import pytest
@@ -407,6 +409,43 @@ def test_most_activations_is_at_least_those_of_any_blocks_within_the_work():
                    if sum(work[i] for i in chosen) <= limit * (1 - 1e-12))
         assert best <= most * (1 + 1e-12) + 1e-6
         assert rest.most_activations([(0, n)], sum(work) * 2) == pytest.approx(sum(acts), rel=1e-12)
+
+
+def test_forced_recomputation_is_at_most_what_any_fitting_plan_recomputes():
+    """`Remainder.recomputed` over the whole model, with each rank's room after its receive buffers and its
+    rank's least micro-batches held: never more than the forward that a plan which fits recomputes (of blocks
+    with activations), given at least that plan's largest per-rank work (brute force over splits and
+    recomputation); and more than nothing on some instances, so the test can fail."""
+    rng = random.Random(11)
+    checked = forced_some = 0
+    for _ in range(60):
+        graph, profile, cluster, batch, factor = instance(rng, blocks=(2, 7))
+        if rng.random() < 0.5:  # every cut as large: the receive buffers take much of the room
+            graph = dataclasses.replace(graph, boundary_bytes=(Fit.line(0, 1e6),) * (graph.num_blocks - 1))
+        for layout in layouts(graph, cluster, batch, Constraints()):
+            model = CostModel(graph, profile, cluster, factor, layout)
+            rest, n, s, p = Remainder(model), graph.num_blocks, layout.num_stages, layout.pipeline_size
+            position = [model.ranks[k][0] % p for k in range(s)]
+            held = [min(model.in_flight[k] for k in range(s) if position[k] == r) for r in range(p)]
+            rooms = [rest.room(r) for r in range(p)]
+            fwd = [model.forward_s(i, i + 1) - model.action_s for i in range(n)]
+            work = [f + model.backward_s(i, i + 1, 0) - model.action_s for i, f in enumerate(fwd)]
+            acts = [model.activation_bytes(i, i + 1) for i in range(n)]
+            least = rest.recomputed([(0, n)], rooms, held)
+            forced_some += 0 < least < math.inf
+            for cuts in itertools.combinations(range(1, n), s - 1):
+                ranges = list(zip((0,) + cuts, cuts + (n,)))
+                for recompute in itertools.product([False, True], repeat=s):
+                    if evaluate(model, ranges, list(recompute)) is None:
+                        continue
+                    done = sum(fwd[i] for (a, b), rc in zip(ranges, recompute) if rc for i in range(a, b) if acts[i])
+                    rank_work = max(sum(work[i] for k, (a, b) in enumerate(ranges) if position[k] == r
+                                        for i in range(a, b)) for r in range(p))
+                    assert rest.recomputed([(0, n)], rooms, held, rank_work) <= done * (1 + 1e-12) + 1e-15, \
+                        (layout, ranges, recompute)
+                    checked += 1
+    assert checked > 200
+    assert forced_some >= 3
 
 
 def test_the_look_for_a_shallower_plan_spends_a_quarter_of_the_budget_in_all(monkeypatch):

@@ -24,12 +24,14 @@ checked against brute force and the simulator in tests/unit/test_search.py):
 Blocks not yet placed (`Remainder`) cost at least, whatever stages they are split into: their compute, two
 action overheads per stage, the gradient traffic of the parameters they use, the cheapest transfers between
 their stages, the forwards that memory forces them to recompute (a rank keeps the activations only of its
-own blocks, whose work M times over is at most the makespan: `layout_bound`); one of the stages holds their
+own blocks, whose work M times over is at most the makespan: `layout_bound`, and only in the room that its
+stages' receive buffers and the kept blocks' weights and optimizer state leave); one of the stages holds their
 largest block, and one as many blocks as the average; and every rank has room for what lands on it.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from partita.plan.cost import CostModel
@@ -73,6 +75,19 @@ class Remainder:
         # work is bounded holds at most the activations of such a prefix)
         self._by_activations = sorted(((a, f + b, i) for i, (a, f, b) in enumerate(zip(acts, block_fwd, block_bwd))),
                                       key=lambda b: (-b[0] / b[1] if b[1] else -math.inf, b[2]))
+        # (bytes a rank needs for the block, forward): for `keepable`, of the blocks with activations to keep
+        self._keepable = [(o * model.static_per_param_byte, a, f) for a, o, f in zip(acts, own, block_fwd) if a > 0]
+        self._fwd_kept = _suffix_sums([f if a > 0 else 0.0 for a, f in zip(acts, block_fwd)])
+        self._keep_orders: dict[int, tuple[list[float], list[float], list[tuple[float, float]]]] = {}
+        work_ordered = sorted(((f + b, f) for a, f, b in zip(acts, block_fwd, block_bwd) if a > 0),
+                              key=lambda w: -w[1] / w[0] if w[0] else -math.inf)
+        self._by_work = _cumulative(work_ordered)
+        # PipelineStage's receive buffers: per stage, M micro-batches of its input and of its output
+        least_cut = min((model.boundary_bytes(c) for c in range(1, n)), default=0.0)
+        self._buffers = [0.0] * lay.pipeline_size
+        for k in range(lay.num_stages):
+            ends = (k > 0) + (k < lay.num_stages - 1)
+            self._buffers[model.ranks[k][0] % lay.pipeline_size] += lay.micro_batches * least_cut * ends
         # one stage holds the largest block: its forward, its backward with its parameters' gradient traffic
         block_bwd_traffic = [b + model.gradient_traffic_s(p) * stretch for b, p in zip(block_bwd, block_bytes)]
         self._max_fwd = _RangeBest(block_fwd, max)
@@ -174,26 +189,50 @@ class Remainder:
         own = self._own[start] - self._own[stop]
         return own * self.model.static_per_param_byte + self._act[start] - self._act[stop] - 5 * (stop - start)
 
-    def recomputed(self, ranges: list[tuple[int, int]], room: float, held: list[int],
+    def room(self, position: int) -> float:
+        """What a rank at this pipeline position has for its blocks at most: its memory less the receive
+        buffers of its stages (each stage end at the model's smallest cut)."""
+        return self.model.capacity - self._buffers[position]
+
+    def recomputed(self, ranges: list[tuple[int, int]], rooms: list[float], held: list[int],
                    rank_work: float = math.inf) -> float:
         """The least forward time per micro-batch that must be recomputed among the blocks of `ranges` when
-        they go to ranks with `room` bytes in all, the ranks' stages holding `held` micro-batches at once (one
+        they go to ranks with `rooms` bytes for them, the ranks' stages holding `held` micro-batches at once (one
         number per rank: the least of its stages'), each rank's blocks at most `rank_work` of forward +
-        backward per micro-batch, as a relaxation (inf: they cannot fit at all).
+        backward per micro-batch, as a relaxation (inf: they cannot fit at all). The larger of two bounds:
 
-        A recomputed block keeps one micro-batch's activations, any other `held` of them, on a rank that
-        holds at most its room of them, and at most those of the blocks it runs (`most_activations`): so
-        keeping costs (held - 1) x its activations more, out of the room left when everything is recomputed.
-        The blocks whose forward saves most per byte are kept first, on the ranks where keeping costs least, in
-        part where a rank's share or the room runs out; the rest is recomputed."""
+        - A recomputed block keeps one micro-batch's activations, any other `held` of them, on a rank that
+          holds at most its room of them, and at most those of the blocks it runs (`most_activations`): so
+          keeping costs (held - 1) x its activations more, out of the room left when everything is recomputed.
+          The blocks whose forward saves most per byte are kept first, on the ranks where keeping costs least,
+          in part where a rank's share or the room runs out; the rest is recomputed.
+        - A rank keeps no more forward than fits its room with the weights, gradients and optimizer state of
+          the blocks it keeps beside their `held` micro-batches (`keepable`), nor more than its work allows; a
+          block not kept on any rank is recomputed."""
         inside = _mask(self.n, ranges)
-        slack = room - sum(self.quick_memory(a, b) for a, b in ranges)  # with everything recomputed
+        slack = sum(rooms) - sum(self.quick_memory(a, b) for a, b in ranges)  # with everything recomputed
         if slack < 0:
             return math.inf
-        per_rank = room / len(held)
+        most_work = _fill(self._by_work, rank_work)
+        kept_most = sum(min(self.keepable(h, room), most_work) for h, room in zip(held, rooms))
+        keeping = sum(self._fwd_kept[a] - self._fwd_kept[b] for a, b in ranges)
         most = self.most_activations(ranges, rank_work) if rank_work < math.inf else math.inf
+        return max(keeping - kept_most, self._kept_by_room(inside, slack, rooms, held, most))
+
+    def keepable(self, held: int, room: float) -> float:
+        """The most forward (per micro-batch) of blocks whose activations one rank may keep for `held`
+        micro-batches at once in `room` bytes, each with its weights, gradients and optimizer state, taking
+        blocks in part (a fractional knapsack of all the model's blocks: the most forward per byte first)."""
+        if held not in self._keep_orders:
+            self._keep_orders[held] = _cumulative(sorted(
+                ((s + held * a, f) for s, a, f in self._keepable), key=lambda b: -b[1] / b[0] if b[0] else -math.inf))
+        return _fill(self._keep_orders[held], room)
+
+    def _kept_by_room(self, inside: bytearray, slack: float, rooms: list[float], held: list[int],
+                      most: float) -> float:
+        """The first bound of `recomputed`."""
         # (extra bytes per byte kept, bytes it can keep)
-        slots = sorted((h - 1, min(per_rank / h, most)) for h in held)
+        slots = sorted((h - 1, min(room / h, most)) for h, room in zip(held, rooms))
         slot, kept_here = 0, 0.0
         forward = 0.0
         for acts, _, fwd, i in reversed(self._blocks):  # the most forward per byte first
@@ -313,11 +352,12 @@ def layout_bound(model: CostModel, refined: bool = False) -> float:
     if refined:
         held = [min(model.in_flight[k] for k in range(s) if position[k] == r) for r in range(p)]
         everything = [(0, model.num_blocks)]
-        forced = rest.recomputed(everything, p * model.capacity, held)
+        rooms = [rest.room(r) for r in range(p)]
+        forced = rest.recomputed(everything, rooms, held)
         if forced == math.inf:
             return math.inf
         makespan = makespan_bound(forced)
-        bounded = lambda t: makespan_bound(rest.recomputed(everything, p * model.capacity, held, t / m))  # noqa: E731
+        bounded = lambda t: makespan_bound(rest.recomputed(everything, rooms, held, t / m))  # noqa: E731
         makespan = max(makespan, _crossing(bounded, makespan))
     if stages_per_rank(lay.schedule) == 1:
         tail = rest.largest_stage_tail(0, s)
@@ -414,3 +454,22 @@ def _suffix_min(values: list[float]) -> list[float]:
     for i in range(len(values) - 1, -1, -1):
         out[i] = min(out[i + 1], values[i])
     return out
+
+
+def _cumulative(items: list[tuple[float, float]]) -> tuple[list[float], list[float], list[tuple[float, float]]]:
+    """For `_fill`: (size, value) items in the order to take them, with their running sums."""
+    sizes, values = [0.0], [0.0]
+    for size, value in items:
+        sizes.append(sizes[-1] + size)
+        values.append(values[-1] + value)
+    return sizes, values, items
+
+
+def _fill(ordered: tuple[list[float], list[float], list[tuple[float, float]]], capacity: float) -> float:
+    """The value of the items (`_cumulative`) taken in order while they fit `capacity`, the next one in part."""
+    sizes, values, items = ordered
+    if capacity >= sizes[-1]:
+        return values[-1]
+    k = bisect.bisect_right(sizes, capacity) - 1  # items [0, k) fit whole
+    size, value = items[k]
+    return values[k] + value * (capacity - sizes[k]) / size

@@ -784,7 +784,7 @@ class PartitionSearch:
         if not left:
             return 0.0
         flight = model.in_flight
-        forced = rest.recomputed([(e, x), (g, n)], left * self.capacity,
+        forced = rest.recomputed([(e, x), (g, n)], [rest.room(q) for q in range(step.r + 1, p)],
                                  [min(flight[q], flight[q + p]) for q in range(step.r + 1, p)])
         if forced == math.inf:
             return None
