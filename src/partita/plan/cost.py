@@ -150,6 +150,7 @@ class CostModel:
         self._units = lru_cache(maxsize=None)(self._compute_units)
         # asked for again by the choice among levels, memory_needed and memory_floor
         self._memory = lru_cache(maxsize=None)(self._compute_memory)
+        self._least_tail = lru_cache(maxsize=None)(self._compute_least_tail)  # the bounds ask for the same sizes
         self.pipelined = layout.pipelined
         self.shardings = _shardings(layout, optimizer_factor)
         # per parameter read by more than one block, those blocks in order (tied weights; FSDP's units)
@@ -435,6 +436,9 @@ class CostModel:
         bounds: sharing no parameter with another stage is cheapest). Of the all-reduce it counts the volume
         term of at most one bucket, which no backward hides (`exposed_allreduce_s`): a bound that grows with
         the bytes and is no more for a sum than for its parts, as the bounds need."""
+        return self._least_tail(param_bytes)
+
+    def _compute_least_tail(self, param_bytes: int) -> float:
         bucket = self.bucket_bytes
         tails = []
         for s in self.replica_group_stages:
