@@ -55,6 +55,18 @@ def test_fp16_losses_follow_one_process_with_torchs_loss_scaling(pools, stages, 
     assert worst <= 2.0 ** -12, f"losses differ by {worst:.2e} of the reference's"
 
 
+@pytest.mark.parametrize("sharding", ["none", "optimizer"])
+def test_fp16_gradients_read_unscaled_on_every_rank(pools, sharding):
+    """get_param_grad and clip_grad_norm_ see the gradients of the loss itself, also of parameters whose
+    optimizer state the other replica keeps (ZeRO-1), against one process with torch.amp.GradScaler."""
+    for r in pools.run(2, "support.cases:fp16_gradients", stages=1, replicas=2, micro_batches=2,
+                       sharding=sharding):
+        assert r["plan"][:3] == (1, 2, 2) and r["sharding"] == [sharding], r
+        worst = max(r["differences"].items(), key=lambda kv: kv[1])
+        assert worst[1] < 1e-2, worst
+        assert abs(r["norm"] - r["want_norm"]) <= 1e-2 * r["want_norm"], (r["norm"], r["want_norm"])
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 def test_fp16_overflow_skips_the_step_on_every_rank(pools, stages):
     """A forced overflow everywhere (loss scale 2^60), then one in a gradient only rank 1 holds: each time every

@@ -320,6 +320,34 @@ def _train_hf(pm, opt, model: torch.nn.Module, case: Case, steps: int) -> tuple[
     return losses, initial
 
 
+def fp16_gradients(**plan_args) -> dict:
+    """One float16 step's gradients as partita gives them (get_param_grad, clip_grad_norm_'s norm) against one
+    process under torch.autocast with torch.amp.GradScaler, unscaled: every parameter's relative difference."""
+    case = CASES["gpt"]
+    torch.manual_seed(0)
+    model = case.make()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _optimizer("sgd", model), _optimizer("sgd", ref)
+    pm = partita.parallelize(model, opt, loss_fn=case.loss_fn, precision="fp16", **plan_args)
+    rank, world, local_batch = partita.get_rank(), partita.get_world_size(), 8
+    args, kwargs, target = case.batch(world * local_batch, torch.Generator().manual_seed(1))
+    mine = slice(rank * local_batch, (rank + 1) * local_batch)
+    pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine)).backward()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        ref_loss = case.loss_fn(ref(*args, **kwargs), target)
+    scaler.scale(ref_loss).backward()
+    scaler.unscale_(ref_opt)
+    differences = {}
+    for name, p in ref.named_parameters():
+        got = pm.get_param_grad(name)
+        differences[name] = float((got - p.grad).norm() / p.grad.norm())
+    want_norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+    norm = float(pm.clip_grad_norm_(1e9))
+    return {"differences": differences, "norm": norm, "want_norm": want_norm, "plan": _summary(pm.plan),
+            "sharding": [s.sharding for s in pm.plan.stages]}
+
+
 @mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
 def fp16_overflow(**plan_args) -> dict:
     """float16 with a loss scale so high that the first step's gradients overflow: that step must be skipped on

@@ -126,8 +126,10 @@ class Runtime:
     def scale_loss(self, optimizer: torch.optim.Optimizer) -> None:
         """float16: the backward runs on the scaled loss, and `optimizer.step()` unscales, or skips on every rank
         when gradients overflowed anywhere (precision.LossScale)."""
-        by_id = {id(p): p for p in self.parameters.values()}
-        self.loss_scale = LossScale([by_id[i] for i in self.trained_here()], self.device)
+        # every gradient this rank holds, also of parameters whose optimizer state another replica keeps
+        # (sharding "optimizer"): get_param_grad and clip_grad_norm_ read those too
+        held = {id(p): p for p in (self.parameters[f] for f in self.ownership.trained_by(self.rank))}
+        self.loss_scale = LossScale(list(held.values()), self.device)
         self.loss_scale.take_over_step(optimizer)
 
     def _unscaled(self) -> None:
