@@ -14,6 +14,7 @@ device constants in the graph (`torch.arange(n, device=x.device)`) name the real
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import re
@@ -171,17 +172,29 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, source_lines: bool =
     tracker = _ModuleTracker(model)
     device = examples[0].device if examples else torch.device("cpu")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    traces_off = fx_config.do_not_emit_stack_traces
-    fx_config.do_not_emit_stack_traces = traces_off or not source_lines
     try:
-        with tracker, _reparametrize_module(wrapper, _stand_ins(wrapper, mode, device), tie_weights=True):
+        with tracker, _reparametrize_module(wrapper, _stand_ins(wrapper, mode, device), tie_weights=True), \
+                _stack_traces(source_lines):
             fakes = tuple(_fake(t, mode, t.device) for t in examples)
             ep = export(wrapper, fakes, dynamic_shapes=dynamic, strict=False)
     except Exception as e:  # noqa: BLE001 - translated into an actionable CaptureError
         raise _capture_error(model, tracker, e) from e
-    finally:
-        fx_config.do_not_emit_stack_traces = traces_off
     return _from_exported(ep, model, signature, examples)
+
+
+@contextlib.contextmanager
+def _stack_traces(recorded: bool):
+    """torch.fx records the user's line on each node unless told not to; torch 2.11 has no such switch (2.12
+    added `do_not_emit_stack_traces`) and always records them."""
+    if recorded or not hasattr(fx_config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = before
 
 
 def _fake(t: torch.Tensor, mode: FakeTensorMode, device: torch.device) -> torch.Tensor:
