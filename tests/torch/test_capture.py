@@ -90,6 +90,23 @@ def test_graphs_record_the_users_lines_unless_counted_only_for_planning():
     assert not torch.fx.config.do_not_emit_stack_traces  # the switch is torch's own, set back
 
 
+def test_block_signatures_do_not_depend_on_the_ranks_gpu_index():
+    """Ranks share out measuring blocks by signature: an op that makes a tensor on the inputs' device (the GPT's
+    arange) must give the same signature on cuda:0 as on cuda:1."""
+    case = CASES["gpt"]
+    args, kwargs, _ = case.batch(2, torch.Generator().manual_seed(0))
+    cap = capture(case.make(), args, kwargs)
+    placed = [n for n in cap.gm.graph.nodes if "device" in n.kwargs]
+    assert placed
+
+    def signatures(index: int) -> list[str]:
+        for n in placed:
+            n.kwargs = {**n.kwargs, "device": torch.device("cuda", index)}
+        return [b.signature for b in model_graph(cap).blocks]
+
+    assert signatures(0) == signatures(1)
+
+
 def test_capture_error_names_module_op_and_line():
     class Branchy(nn.Module):
         def __init__(self):

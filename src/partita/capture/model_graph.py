@@ -103,8 +103,12 @@ def _shape_text(val) -> str:
 def _op_text(node: fx.Node, requires_grad: dict[str, bool]) -> str:
     """The op with the shapes of its tensor arguments and output, which of them need a gradient, and the values
     of its other arguments: ops with equal texts count and run the same (an arange's length or a reduction's
-    dims are arguments; the first layer of a stack computes no gradient for its input, the others do)."""
+    dims are arguments; the first layer of a stack computes no gradient for its input, the others do). A device
+    counts by its type: each rank captures on its own GPU (cuda:0, cuda:1, ...), and the ranks must name the
+    same blocks alike to share out measuring them."""
     def arg(a):
+        if isinstance(a, torch.device):
+            return repr(torch.device(a.type))
         if not isinstance(a, fx.Node):
             return repr(a)
         return _shape_text(a.meta.get("val")) + ("^" if requires_grad.get(a.name) else "")
