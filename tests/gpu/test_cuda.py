@@ -65,7 +65,7 @@ def test_a_step_on_the_gpu_is_timed_by_the_gpu():
     torch.cuda.synchronize(device)
     waited = time.perf_counter() - start[0]
     assert host_s < 0.5 * waited, (host_s, waited)
-    assert 0.8 * waited <= measured <= waited, (measured, waited)
+    assert 0.8 * waited <= measured <= waited + 1e-3, (measured, waited)  # two clocks: a millisecond's slack
 
 
 def _net() -> nn.Module:

@@ -68,3 +68,24 @@ def test_a_gpu_job_has_a_backend_for_cpu_tensors_too():
 
     assert served(torch.device("cuda", 1)) == {"cpu": "gloo", "cuda": "nccl"}
     assert served(torch.device("cpu"))["cpu"] == "gloo"
+
+
+@pytest.mark.parametrize("name,memory_gib,preset", [
+    ("NVIDIA H100 80GB HBM3", 79.6, "H100-80GB"),
+    ("NVIDIA H200", 139.8, "H200-141GB"),
+    ("NVIDIA A100-SXM4-40GB", 39.4, "A100-40GB"),
+    ("NVIDIA A100-SXM4-80GB", 79.2, "A100-80GB"),
+])
+def test_a_gpu_gets_its_familys_preset_by_name_and_memory(name, memory_gib, preset):
+    from partita.cluster.presets import DEVICES
+    from partita.profile import gpu_preset
+
+    assert gpu_preset(name, int(memory_gib * 2**30)) is DEVICES[preset]
+
+
+def test_a_grace_hopper_superchip_is_not_taken_for_an_h200():
+    """"GH200" contains "H200": families match whole words only."""
+    from partita.cluster.presets import DEVICES
+    from partita.profile import gpu_preset
+
+    assert gpu_preset("NVIDIA GH200 480GB", 95 * 2**30) is not DEVICES["H200-141GB"]

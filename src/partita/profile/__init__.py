@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -36,13 +37,17 @@ def device_spec(device: torch.device) -> DeviceSpec:
     """The preset closest to this device (its datasheet numbers and typical overheads)."""
     if device.type != "cuda":
         return DEVICES["cpu"]
-    name = torch.cuda.get_device_name(device)
-    total = torch.cuda.get_device_properties(device).total_memory
+    return gpu_preset(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
+
+
+def gpu_preset(name: str, memory_bytes: int) -> DeviceSpec:
+    """The preset of the GPU family `name` names (a whole word: "GH200" is no H200) with the memory nearest
+    `memory_bytes`; a GPU of no known family gets the preset with the nearest memory."""
     for family in ("H200", "H100", "A100", "V100"):
-        if family in name:
+        if re.search(rf"\b{family}\b", name):
             candidates = [d for k, d in DEVICES.items() if k.startswith(family)]
-            return min(candidates, key=lambda d: abs(d.memory_bytes - total))
-    return min((d for k, d in DEVICES.items() if k != "cpu"), key=lambda d: abs(d.memory_bytes - total))
+            return min(candidates, key=lambda d: abs(d.memory_bytes - memory_bytes))
+    return min((d for k, d in DEVICES.items() if k != "cpu"), key=lambda d: abs(d.memory_bytes - memory_bytes))
 
 
 def fixed_overhead_bytes(used: int, held: int) -> int:
