@@ -18,6 +18,7 @@ from torch import nn
 from partita.capture.dtypes import InputDtype, dtype_problem, input_dtypes
 from partita.capture.export import CallSignature, CapturedGraph, capture, flatten_call, misplaced
 from partita.capture.model_graph import model_graph
+from partita.checkpoint.loading import load_optimizer_state
 from partita.checkpoint.relayout import relayout
 from partita.checkpoint.weights import model_weights
 from partita.errors import BatchError, PlanError
@@ -60,6 +61,7 @@ class ParallelModule(nn.Module):
         self._capture: tuple[CapturedGraph, CallSignature] | None = None  # the first call's, and its signature
         self._input_dtypes: list[InputDtype] = []
         self._parameter_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        self._optimizer_state_from: Path | None = None  # a checkpoint to load it from once the model holds its part
 
     @property
     def plan(self) -> Plan | None:
@@ -170,6 +172,9 @@ class ParallelModule(nn.Module):
             self._optimizer.register_step_post_hook(lambda *_: self._clock.ended(mark(world.device)))
         self._capture = (cap, call.signature)
         self._build(self._planned.plan, call, self._initial)
+        if self._optimizer_state_from is not None and self._optimizer is not None:
+            load_optimizer_state(self, self._optimizer, self._optimizer_state_from)
+        self._optimizer_state_from = None
 
     def _build(self, plan: Plan, call: Call, initial: Initial) -> Runtime:
         """This rank's part of the model under `plan`, from the first call's capture (`call`: the one under way),
@@ -191,6 +196,15 @@ class ParallelModule(nn.Module):
             return False
         self._request = dataclasses.replace(self._request, given=plan)
         return True
+
+    def resume_from(self, checkpoint: Path) -> None:
+        """`partita.load` before the first call of a model built on the meta device: its weights come from
+        `checkpoint` (a step-* directory) as the first call materializes each rank's part, as with
+        parallelize(weights=...), and the optimizer's state right after."""
+        if self._runtime is not None:
+            raise PlanError("resume_from is for a model before its first call; partita.load reads into it after")
+        self._initial = dataclasses.replace(self._initial, weights=model_weights(checkpoint, self.module, strict=True))
+        self._optimizer_state_from = checkpoint
 
     def held(self) -> Held | None:
         """What a checkpoint takes from this rank (None before the first call: then rank 0's copy is current)."""

@@ -77,6 +77,18 @@ def test_resume_on_another_world_and_plan(pools, saved_gpt, world, plan, after_f
         assert r["info"]["rng_restored"] and r["draws"] == saved[rank]["draws"], f"rank {rank}"
 
 
+@pytest.mark.parametrize("world,plan", [(2, {"stages": 2, "replicas": 1, "schedule": "1F1B", "micro_batches": 4}),
+                                        (2, {"stages": 1, "micro_batches": 1})], ids=["2stages", "ddp"])
+def test_resume_a_model_built_on_the_meta_device(pools, saved_gpt, world, plan):
+    """Loaded before its first call, a model built on the meta device has no memory to read into: each rank
+    reads its part as the first call materializes it, and the optimizer state right after."""
+    root, saved = saved_gpt
+    loaded = pools.run(world, f"{CASE}:load_and_continue", "gpt", str(root), plan, build="meta")
+    check_resumed(loaded, saved)
+    for rank, r in enumerate(loaded):
+        assert r["info"]["rng_restored"] and r["draws"] == saved[rank]["draws"], f"rank {rank}"
+
+
 def test_export_of_a_sharded_checkpoint_loads_into_the_plain_model(saved_gpt, tmp_path):
     from support.zoo import CASES
 

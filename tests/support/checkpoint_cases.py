@@ -71,10 +71,11 @@ def _snapshot(pm, opt) -> dict:
     return {"model": model, "optim": optim, "groups": groups}
 
 
-def _model(name: str, plan: dict, seed: int):
+def _model(name: str, plan: dict, seed: int, build: str = "cpu"):
     case = CASES[name]
     torch.manual_seed(seed)
-    model = case.make()
+    with torch.device(build):
+        model = case.make()
     opt = _optimizer("adam", model)
     return case, partita.parallelize(model, opt, loss_fn=case.loss_fn, **plan), opt
 
@@ -98,13 +99,19 @@ def train_and_save(name: str, root: str, plan: dict, steps: int = 2, more: int =
 
 
 @estimated_costs
-def load_and_continue(name: str, root: str, plan: dict, more: int = 2, after_first_call: bool = False) -> dict:
-    """A fresh model (other initial weights) and optimizer, loaded from `root`, then trained `more` steps."""
-    case, pm, opt = _model(name, plan, seed=123)
+def load_and_continue(name: str, root: str, plan: dict, more: int = 2, after_first_call: bool = False,
+                      build: str = "cpu") -> dict:
+    """A fresh model (other initial weights, or none: built on the meta device) and optimizer, loaded from
+    `root`, then trained `more` steps."""
+    case, pm, opt = _model(name, plan, seed=123, build=build)
     if after_first_call:
         _train_step(pm, opt, case, 99)  # the plan is made and the optimizer has state, all to be replaced
     info = partita.load(pm, opt, root)
     draws = _draws()
+    if build == "meta":  # its weights exist from the first call on: one that changes nothing
+        args, target = _batch(case, 0)
+        with torch.no_grad():
+            pm(*args, target)
     snapshot = _snapshot(pm, opt)
     losses = [_train_step(pm, opt, case, step) for step in range(info.step, info.step + more)]
     names = {id(p): n for n, p in pm.module.named_parameters()}

@@ -21,6 +21,7 @@ it, the whole model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch.distributed as dist
@@ -52,6 +53,11 @@ class Partitioned(Protocol):
     def plan(self) -> Plan | None: ...
 
     def held(self) -> Held | None: ...
+
+    def resume_from(self, checkpoint: Path) -> None:
+        """Take the weights from this checkpoint (a step-* directory) as the first call materializes them, and
+        the optimizer state once they exist (a model built on the meta device, loaded before its first call)."""
+        ...
 
 
 def holding_of(model: nn.Module) -> Holding:

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from partita.checkpoint import checksums, keys, optimizer as optimizer_state, rng
 from partita.checkpoint.collective import dcp_step, from_rank0, together
-from partita.checkpoint.holding import Holding, holding_of
+from partita.checkpoint.holding import Holding, Partitioned, holding_of
 from partita.runtime.run import first_names
 from partita.checkpoint.layout import resolve
 from partita.checkpoint.manifest import Manifest, read_manifest
@@ -46,6 +46,9 @@ class _Prepared:
     metadata: Metadata
     holding: Holding
     targets: dict  # DCP key -> tensor to read into (the model's own tensors), or None for plain values
+    # a partita model built on the meta device, before its first call: its weights have no memory to read into
+    # yet, so it reads them as it materializes them, and the optimizer state after (`Partitioned.resume_from`)
+    deferred: bool = False
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> CheckpointInfo:
@@ -61,7 +64,10 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
 
     Call it after `parallelize` and before or after the first call. Before the first call the plan is
     not known yet: every rank loads the whole optimizer state, as one process would, and the first call
-    keeps only the state of the parameters the rank trains under the plan it makes.
+    keeps only the state of the parameters the rank trains under the plan it makes. A model built on the
+    meta device has no memory to load into before its first call: the first call reads each rank's part of
+    the weights from the checkpoint as it materializes it, and then the optimizer state of the parameters
+    the rank trains (the rest, step, extra and RNG, load at once).
 
     Nothing in the checkpoint is unpickled except through weights_only loading (plain data and tensors);
     a damaged, foreign or tampered checkpoint raises CheckpointError on every rank. Every file is checked
@@ -80,34 +86,61 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     what = f"partita.load(path={str(path)!r})"
     directory = from_rank0(lambda: resolve(path), what)
     prepared = together(lambda: _prepare(model, optimizer, directory), what)
-    dcp_step(lambda: dcp.load(prepared.targets, storage_reader=CheckedReader(directory, prepared.metadata),
+    _read(prepared, what)
+    return together(lambda: _apply(model, prepared, optimizer), what)
+
+
+def load_optimizer_state(model: Partitioned, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """The optimizer state of the parameters this rank trains, from the checkpoint at `path` (a step-*
+    directory), once the model holds its part: a `load` deferred by a model built on the meta device.
+    Collective."""
+    what = f"partita.load(path={str(path)!r}) at the model's first call"
+    prepared = together(lambda: _prepare(model, optimizer, path, weights=False), what)
+    _read(prepared, what)
+    together(lambda: optimizer_state.apply(optimizer, first_names(prepared.holding.module), prepared.targets), what)
+
+
+def _read(prepared: _Prepared, what: str) -> None:
+    """DCP reads the checkpoint into `prepared.targets`."""
+    dcp_step(lambda: dcp.load(prepared.targets, storage_reader=CheckedReader(prepared.directory, prepared.metadata),
                               planner=WeightsOnlyLoadPlanner(), no_dist=not dist.is_initialized()), what,
              UNREADABLE)
-    return together(lambda: _apply(prepared, optimizer), what)
 
 
-def _prepare(model, optimizer, directory: Path) -> _Prepared:
-    """Check that the checkpoint fits the model and optimizer; name what DCP reads into, before reading."""
+def _prepare(model, optimizer, directory: Path, weights: bool = True) -> _Prepared:
+    """Check that the checkpoint fits the model and optimizer; name what DCP reads into, before reading
+    (`weights`: the model's tensors and the plain values besides the optimizer's; without them, the files were
+    checked against their checksums by the `load` that deferred this)."""
     if not isinstance(model, nn.Module):
         raise CheckpointError(f"model must be an nn.Module (a partita model, a DDP module or a plain module), "
                               f"got {type(model).__name__}")
     manifest = read_manifest(directory)
     metadata = read_metadata(directory)
     holding = holding_of(model)
-    # before anything is read into the model: a damaged checkpoint leaves it as it was
-    checksums.check(directory, manifest, data_files(metadata), rank=holding.rank, world_size=holding.world_size)
+    if weights:  # before anything is read into the model: a damaged checkpoint leaves it as it was
+        checksums.check(directory, manifest, data_files(metadata), rank=holding.rank, world_size=holding.world_size)
     current = holding.module.state_dict(keep_vars=True)
     _check_model(current, metadata, directory)
-    targets: dict = {keys.model(n): (t.detach() if isinstance(t, torch.Tensor) else None)
-                     for n, t in current.items() if n in holding.reads}
+    deferred = weights and isinstance(model, Partitioned) and model.held() is None and any(
+        map(_is_meta, current.values()))
+    targets: dict = {}
+    if weights:
+        targets = {keys.model(n): (t.detach() if isinstance(t, torch.Tensor) else None)
+                   for n, t in current.items() if n in holding.reads and not (deferred and _is_meta(t))}
     if optimizer is not None:
         names = first_names(holding.module)
         optimizer_state.check_fits(optimizer, names, manifest.optimizer, manifest.param_groups, str(directory))
-        targets.update(optimizer_state.targets(metadata, optimizer, names, holding.trains))
-    targets[keys.STEP] = targets[keys.EXTRA] = None
-    if keys.rng(holding.rank) in metadata.state_dict_metadata:
-        targets[keys.rng(holding.rank)] = None
-    return _Prepared(directory, manifest, metadata, holding, targets)
+        if not deferred:
+            targets.update(optimizer_state.targets(metadata, optimizer, names, holding.trains))
+    if weights:
+        targets[keys.STEP] = targets[keys.EXTRA] = None
+        if keys.rng(holding.rank) in metadata.state_dict_metadata:
+            targets[keys.rng(holding.rank)] = None
+    return _Prepared(directory, manifest, metadata, holding, targets, deferred)
+
+
+def _is_meta(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_meta
 
 
 def _check_model(current: dict, metadata: Metadata, directory: Path) -> None:
@@ -135,14 +168,16 @@ def _some(names: list[str]) -> str:
     return ", ".join(names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
 
 
-def _apply(prepared: _Prepared, optimizer) -> CheckpointInfo:
+def _apply(model, prepared: _Prepared, optimizer) -> CheckpointInfo:
     """After DCP has read: model values that are not tensors, the optimizer, this rank's RNG; the info."""
     loaded, holding, manifest = prepared.targets, prepared.holding, prepared.manifest
     plain = {k[len(keys.MODEL):]: v for k, v in loaded.items()
              if k.startswith(keys.MODEL) and not isinstance(v, torch.Tensor)}
     if plain:  # a module's get_extra_state(); tensors were read in place
         holding.module.load_state_dict(plain, strict=False)
-    if optimizer is not None:
+    if prepared.deferred:
+        model.resume_from(prepared.directory)
+    elif optimizer is not None:
         optimizer_state.apply(optimizer, first_names(holding.module), loaded)
     rng_key = keys.rng(holding.rank)
     if rng_key in loaded:
