@@ -57,6 +57,27 @@ def test_init_stops_before_touching_the_gpu(monkeypatch):
         env.init()
 
 
+def test_a_group_the_script_made_keeps_the_gpu_the_script_chose(monkeypatch):
+    """A script that made the process group itself (torch.multiprocessing.spawn, no launcher's variables)
+    chose each rank's GPU with set_device: partita adopts the group and computes there, not on cuda:0."""
+    import torch.distributed as dist
+
+    single = env.detect({})  # what a process that no launcher started finds
+    monkeypatch.setattr(env, "detect", lambda environ: single)
+    monkeypatch.setattr(env, "_world", None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    world = env.init()
+    assert (world.rank, world.world_size, world.device) == (1, 2, torch.device("cuda", 1))
+    assert chosen == [torch.device("cuda", 1)]
+
+
 def test_a_gpu_job_has_a_backend_for_cpu_tensors_too():
     """partita's own small collectives (the ranks' agreement on each call) sum CPU tensors in every job; a group
     of NCCL alone has no backend for them ("No backend type associated with device type cpu"), so a job of

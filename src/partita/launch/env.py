@@ -177,8 +177,13 @@ def init() -> World:
         # the script created the group itself: its ranks are the truth
         me = Placement("existing group", dist.get_rank(), dist.get_world_size(), 0, 1, join=Join.ADOPT)
     if torch.cuda.is_available():
-        index = gpus.gpu_of(me.local_rank, me.local_world_size, torch.cuda.device_count(),
-                            os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("SLURM_GPUS_PER_TASK"))
+        if me.join is Join.ADOPT:
+            # no launcher says where this rank is on its node: the script that made the group chose its GPU
+            # (torch.cuda.set_device before init_process_group, as NCCL needs); keep that one
+            index = torch.cuda.current_device()
+        else:
+            index = gpus.gpu_of(me.local_rank, me.local_world_size, torch.cuda.device_count(),
+                                os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("SLURM_GPUS_PER_TASK"))
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
