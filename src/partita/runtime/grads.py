@@ -58,10 +58,14 @@ class _Bucket:
         parameter (whether any rank produced its gradient). Each .grad becomes its view into the flat buffer,
         so that the gradient is held once while the sum runs, as DDP's bucket views do."""
         grads = [p.grad for p in self.params]
+        present = [g is not None for g in grads]
+        like = self.params[0]
+        # made on the device where every gradient is present (the common case): a tensor from host values would
+        # stop the backward on a GPU for its copy
+        flags = torch.ones(len(grads), dtype=like.dtype, device=like.device) if all(present) else \
+            torch.tensor(present, dtype=like.dtype).to(like.device)
         flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
-                          for p, g in zip(self.params, grads)] +
-                         [torch.tensor([float(g is not None) for g in grads], dtype=self.params[0].dtype,
-                                       device=self.params[0].device)])
+                          for p, g in zip(self.params, grads)] + [flags])
         offset = 0
         for p, g in zip(self.params, grads):
             if g is not None:
@@ -78,16 +82,26 @@ class _Sum:
     flat: torch.Tensor
     work: dist.Work
 
-    def finish(self, fresh: dict[int, torch.Tensor | None]) -> None:
-        """Wait for the sum; put each parameter's summed gradient (None if no rank had one) in `fresh`."""
+    def finish(self, fresh: dict[int, torch.Tensor | None]) -> torch.Tensor:
+        """Wait for the sum; put each parameter's summed gradient in `fresh`; return the presence flags (what
+        `_mark_absent` reads)."""
         self.work.wait()
         offset = 0
         for p in self.params:
             fresh[id(p)] = self.flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
-        for p, present in zip(self.params, self.flat[offset:].tolist()):
-            if present == 0:
-                fresh[id(p)] = None  # no rank produced a gradient: stay None, as in one process
+        return self.flat[offset:]
+
+
+def _mark_absent(sums: list[_Sum], flags: list[torch.Tensor], fresh: dict[int, torch.Tensor | None]) -> None:
+    """A parameter whose gradient no rank produced stays None, as in one process. The flags of every bucket
+    are read at once: each read waits for the device."""
+    if not sums:
+        return
+    present = torch.cat(flags).tolist()
+    for p, here in zip((p for s in sums for p in s.params), present):
+        if here == 0:
+            fresh[id(p)] = None
 
 
 @dataclass
@@ -198,8 +212,7 @@ class GradSync:
     def apply(self, gradients: Gradients, scale: float | torch.Tensor = 1.0) -> None:
         """Wait for the sums of `gradients`, multiply by `scale`, add into .grad."""
         fresh = dict(gradients.fresh)
-        for started in gradients.started:
-            started.finish(fresh)
+        _mark_absent(gradients.started, [started.finish(fresh) for started in gradients.started], fresh)
         accumulated = 0
         for p in self.params:
             g = fresh.pop(id(p))

@@ -136,8 +136,10 @@ class LossScale:
         optimizer.step = types.MethodType(step, optimizer)
 
     def _overflowed(self) -> bool:
-        local = any(p.grad is not None and not bool(torch.isfinite(local_part(p.grad)).all()) for p in self.params)
-        flag = torch.tensor([float(local)], device=self.device)
+        # checked on the device, read once: a read per parameter would wait for the device as many times
+        finite = [torch.isfinite(local_part(p.grad)).all() for p in self.params if p.grad is not None]
+        flag = (~torch.stack(finite)).any().float().reshape(1) if finite else torch.zeros(1)
+        flag = flag.to(self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
