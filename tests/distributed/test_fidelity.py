@@ -110,8 +110,10 @@ def test_model_without_parameters(pools):
              input_grad=True)
 
 
-def test_input_gradients_with_loss_fn(pools):
-    fidelity(pools, 4, "mlp", "input_grad", stages=2, replicas=2, input_grad=True)
+@pytest.mark.parametrize("stages,replicas,micro_batches", [(2, 2, 2), (1, 4, 1)])  # a pipeline; DDP
+def test_input_gradients_with_loss_fn(pools, stages, replicas, micro_batches):
+    fidelity(pools, 4, "mlp", "input_grad", stages=stages, replicas=replicas, micro_batches=micro_batches,
+             input_grad=True)
 
 
 @pytest.mark.parametrize("style", ["loss_fn", "outputs"])

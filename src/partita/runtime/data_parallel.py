@@ -25,6 +25,7 @@ class DataParallel(Runtime):
                  rank: int, world_size: int, device: torch.device):
         super().__init__(module, plan, ownership, rank, device)
         self.loss = loss
+        self.world_size = world_size
         self.ddp = module if world_size == 1 else _ddp(module, cap)
         # the ranks agree on a call during its forward, and wait for it before any collective after it (the loss's,
         # the backward's), unless DDP's forward has a collective of its own: a rank whose call differs would join
@@ -38,8 +39,15 @@ class DataParallel(Runtime):
     def __call__(self, call: Call):
         if self.agrees_before_forward:
             call.rows  # noqa: B018 - waits for the agreement of the call: DDP's forward broadcasts buffers
+        args, kwargs = call.args, call.kwargs
+        if self.loss is not None and self.world_size > 1:
+            # the loss gives this rank's value DDP's world size times its weight (global_loss), which DDP's
+            # average takes back from the parameters' gradients but not from the inputs'
+            args, kwargs = torch.utils._pytree.tree_map_only(
+                torch.Tensor, lambda t: _GradientTimes.apply(t, 1.0 / self.world_size) if t.requires_grad else t,
+                (args, kwargs))
         with autocast(self.plan.precision, self.device):
-            out = self.ddp(*call.args, **call.kwargs)
+            out = self.ddp(*args, **kwargs)
             # under autocast too, as a one-process loop computes it (precision.py)
             value = self.loss.fn(out, call.target) if self.loss is not None else None
         rows = call.rows
@@ -73,6 +81,19 @@ class DataParallel(Runtime):
                 p.grad = grad
             for b, value in buffers:
                 b.copy_(value)
+
+
+class _GradientTimes(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, factor: float):
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
 
 
 def _ddp(module: nn.Module, cap: CapturedGraph) -> DistributedDataParallel:
