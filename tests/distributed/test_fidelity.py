@@ -202,3 +202,16 @@ def test_batches_of_different_sizes_under_data_parallel(pools, world, style):
     loss_fn, the global batch's loss and gradients; without, DDP's average of each rank's own loss)."""
     r = fidelity(pools, world, "mlp", *returned(style), style=style, extra_rows=3, stages=1)
     assert r["plan"][:3] == (1, world, 1)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+@pytest.mark.parametrize("stages,replicas,micro_batches", [(2, 1, 2), (1, 2, 1)])  # a pipeline; DDP
+def test_clip_grad_norm_as_one_process(pools, norm_type, stages, replicas, micro_batches):
+    """clip_grad_norm_ returns the whole model's norm and clips as torch.nn.utils.clip_grad_norm_ does in one
+    process, the infinity norm (the largest magnitude) included."""
+    for r in pools.run(2, "support.cases:clipped", norm_type, stages=stages, replicas=replicas,
+                       micro_batches=micro_batches):
+        assert r["plan"][:3] == (stages, replicas, micro_batches), r["plan"]
+        for got, want in r["norms"]:
+            assert got == pytest.approx(want, rel=1e-5), r["norms"]
+        assert r["worst"] < 1e-6, r["worst"]

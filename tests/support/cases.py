@@ -320,6 +320,32 @@ def _train_hf(pm, opt, model: torch.nn.Module, case: Case, steps: int) -> tuple[
     return losses, initial
 
 
+def clipped(norm_type: float, **plan_args) -> dict:
+    """Three steps of the MLP with clip_grad_norm_ between backward and step, against one process clipping with
+    torch.nn.utils.clip_grad_norm_: the norms returned and the largest difference of the clipped gradients."""
+    case = CASES["mlp"]
+    torch.manual_seed(0)
+    model = case.make()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _optimizer("sgd", model), _optimizer("sgd", ref)
+    pm = partita.parallelize(model, opt, loss_fn=case.loss_fn, **plan_args)
+    rank, world, local_batch = partita.get_rank(), partita.get_world_size(), 4
+    norms, worst = [], 0.0
+    for step in range(3):
+        args, kwargs, target = case.batch(world * local_batch, torch.Generator().manual_seed(step))
+        mine = slice(rank * local_batch, (rank + 1) * local_batch)
+        pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine)).backward()
+        case.loss_fn(ref(*args, **kwargs), target).backward()
+        max_norm = 0.5 * float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type))
+        norms.append((float(pm.clip_grad_norm_(max_norm, norm_type)),
+                      float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type))))
+        worst = max([worst] + [float((pm.get_param_grad(n) - p.grad).abs().max()) for n, p in ref.named_parameters()])
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return {"norms": norms, "worst": worst, "plan": _summary(pm.plan)}
+
+
 def fp16_gradients(**plan_args) -> dict:
     """One float16 step's gradients as partita gives them (get_param_grad, clip_grad_norm_'s norm) against one
     process under torch.autocast with torch.amp.GradScaler, unscaled: every parameter's relative difference."""

@@ -7,6 +7,7 @@ is here: the whole-model views (state, one parameter, gradient norm) that follow
 
 from __future__ import annotations
 
+import math
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -196,11 +197,15 @@ class Runtime:
                    if p.grad is not None and (not self.split_gradients or self.owner_of(name) == self.rank
                                               or local_part(p.grad) is not p.grad)]
         local = torch.zeros((), device=self.device, dtype=torch.float64)
+        largest = math.isinf(norm_type)  # the infinity norm: the largest magnitude, not a sum of powers
         for g in counted:
-            local += g.detach().double().norm(norm_type) ** norm_type
+            if largest:
+                local = torch.maximum(local, g.detach().double().abs().max()) if g.numel() else local
+            else:
+                local += g.detach().double().norm(norm_type) ** norm_type
         if self.split_gradients:
-            dist.all_reduce(local)
-        total = local ** (1.0 / norm_type)
+            dist.all_reduce(local, op=dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM)
+        total = local if largest else local ** (1.0 / norm_type)
         coef = min(1.0, float(max_norm) / (float(total) + 1e-6))
         if coef < 1.0:
             for p in params:
