@@ -27,6 +27,13 @@ def test_input_on_wrong_device_on_one_rank(pools, when):
     assert msg.startswith("rank 1:") and "meta" in msg and ".to('cpu')" in msg
 
 
+def test_backward_through_a_call_whose_activations_a_later_call_replaced(pools):
+    """Without loss_fn a pipelined plan keeps one call's activations: backward through an earlier call's
+    outputs would have run on the later call's, silently; it is refused on every rank, with the fixes."""
+    msg = errors(pools.run(2, "support.cases:bad_input", "two_calls_then_the_first_ones_backward"), "PartitaError")
+    assert "followed by another call before this backward" in msg and "pass loss_fn=" in msg
+
+
 def test_more_stages_than_graph_blocks(pools):
     msg = errors(pools.run(4, "support.cases:bad_input", "too_many_stages"), "PlanError")
     assert "at most 2 stages" in msg

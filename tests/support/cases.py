@@ -659,6 +659,11 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
             pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2)
             pm(x, y).backward()
             pm(x.to("meta") if rank == 1 else x, y)
+        elif scenario == "two_calls_then_the_first_ones_backward":
+            pm = partita.parallelize(model, stages=2, micro_batches=2)
+            first = pm(x)
+            pm(x * 2)  # e.g. a second call kept for a metric
+            first.pow(2).mean().backward()
         elif scenario == "too_many_stages":
             tiny = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
             pm = partita.parallelize(tiny, loss_fn=torch.nn.MSELoss(), stages=world)

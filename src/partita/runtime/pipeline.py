@@ -139,6 +139,7 @@ class Pipeline:
         self.loss_fn = loss_fn
         self._schedule = None
         self._prepared = False
+        self.forwards_run = 0  # calls of `forward`: a later one replaces the activations an earlier one kept
 
     @property
     def has_first(self) -> bool:
@@ -178,6 +179,7 @@ class Pipeline:
             self._prepare()
         for stage in self.stages:
             stage.clear_runtime_states()
+        self.forwards_run += 1
         self.executed.clear()
         sends, kept = [], {}
         outputs: dict[int, tuple] = {}

@@ -316,12 +316,20 @@ class _PendingBackward:
     def __init__(self, engine: Engine, pipe: Pipeline, outs, inputs, tensors, leaves):
         self.engine, self.pipe, self.outs, self.inputs, self.tensors = engine, pipe, outs, inputs, tensors
         self.leaves = leaves
+        self.forward = pipe.forwards_run  # which of the pipeline's forwards kept the activations this needs
 
     def backward(self, grad_leaves: tuple) -> list:
         with torch.enable_grad():  # autograd runs Function.backward with grad mode off
             return self._backward(grad_leaves)
 
     def _backward(self, grad_leaves: tuple) -> list:
+        if self.pipe.forwards_run != self.forward:  # every rank made the same calls: each raises here alike
+            raise PartitaError(
+                "backward through the outputs of a call of the model that was followed by another call before "
+                "this backward: without loss_fn a pipelined plan keeps the activations of one call at a time, "
+                "and the later call replaced them. Call backward on each call's loss before calling the model "
+                "again (gradients add up over calls), or pass loss_fn= to parallelize, with which any number of "
+                "calls may wait for one backward")
         e, p, plan = self.engine, self.engine.place, self.engine.plan
         differentiable = e.differentiable_outputs()
         batched = [k for k, n in enumerate(e.out_nodes) if n.meta["val"].dim() > 0 and differentiable[k]]
