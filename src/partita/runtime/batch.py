@@ -7,6 +7,7 @@ weighed by its rows, so that the loss and the gradients are those of the global 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ import torch.distributed as dist
 from partita.capture.export import CallSignature
 from partita.errors import BatchError, PlanError
 from partita.runtime.agreement import Agreement
+
+log = logging.getLogger("partita")
 
 
 def local_rows(tensors: list[torch.Tensor]) -> int:
@@ -65,7 +68,15 @@ def loss_of(loss_fn: Callable | None) -> Loss | None:
     """`loss_fn` as partita uses it (None: the user computes the loss from the outputs)."""
     if loss_fn is None:
         return None
-    reduction = getattr(loss_fn, "reduction", "mean")
+    reduction = getattr(loss_fn, "reduction", None)
+    if reduction is None:
+        # a plain function says nothing of how it combines rows; a sum taken for a mean would be silently off by
+        # the micro-batches times the replicas
+        reduction = "mean"
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning("partita: loss_fn %s has no `reduction`: partita takes it as a mean over rows. If it "
+                        "sums, set loss_fn.reduction = 'sum' (a function is an object: the attribute sticks)",
+                        getattr(loss_fn, "__name__", type(loss_fn).__name__))
     if reduction not in ("mean", "sum"):
         raise PlanError(f"loss_fn has reduction={reduction!r}; partita needs 'mean' or 'sum' to combine "
                         "micro-batch losses into the batch loss")
