@@ -215,3 +215,11 @@ def test_clip_grad_norm_as_one_process(pools, norm_type, stages, replicas, micro
         for got, want in r["norms"]:
             assert got == pytest.approx(want, rel=1e-5), r["norms"]
         assert r["worst"] < 1e-6, r["worst"]
+
+
+@pytest.mark.parametrize("stages,replicas,micro_batches", [(2, 1, 2), (1, 2, 1), (1, 2, 2)])  # pipeline; DDP
+def test_a_parameter_unfrozen_after_the_first_call_trains_as_in_one_process(pools, stages, replicas,
+                                                                            micro_batches):
+    for r in pools.run(2, "support.cases:unfrozen", stages=stages, replicas=replicas, micro_batches=micro_batches):
+        assert r["plan"][:3] == (stages, replicas, micro_batches), r["plan"]
+        assert max(r["worst"]) < 1e-6, r["worst"]

@@ -346,6 +346,40 @@ def clipped(norm_type: float, **plan_args) -> dict:
     return {"norms": norms, "worst": worst, "plan": _summary(pm.plan)}
 
 
+def unfrozen(**plan_args) -> dict:
+    """The MLP with its first layer frozen when parallelized and unfrozen at step 2 (a fine-tuning that
+    unfreezes layers), against one process doing the same: per step, the largest difference of any gradient
+    and parameter."""
+    case = CASES["mlp"]
+    torch.manual_seed(0)
+    model = case.make()
+    first = next(model.parameters())
+    first.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _optimizer("sgd", model), _optimizer("sgd", ref)
+    pm = partita.parallelize(model, opt, loss_fn=case.loss_fn, **plan_args)
+    rank, world, local_batch = partita.get_rank(), partita.get_world_size(), 4
+    name = next(n for n, _ in ref.named_parameters())
+    worst = []
+    for step in range(4):
+        if step == 2:
+            for m in (model, ref):
+                m.get_parameter(name).requires_grad_(True)
+        args, kwargs, target = case.batch(world * local_batch, torch.Generator().manual_seed(step))
+        mine = slice(rank * local_batch, (rank + 1) * local_batch)
+        pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine)).backward()
+        case.loss_fn(ref(*args, **kwargs), target).backward()
+        for o in (opt, ref_opt):
+            o.step()
+        grads = [(pm.get_param_grad(n), p.grad) for n, p in ref.named_parameters()]
+        worst.append(max([float((a - b).abs().max()) for a, b in grads if a is not None and b is not None]
+                         + [float((pm.get_param(n) - p).abs().max()) for n, p in ref.named_parameters()]
+                         + [0.0 if (a is None) == (b is None) else math.inf for a, b in grads]))
+        for o in (opt, ref_opt):
+            o.zero_grad()
+    return {"worst": worst, "plan": _summary(pm.plan)}
+
+
 def fp16_gradients(**plan_args) -> dict:
     """One float16 step's gradients as partita gives them (get_param_grad, clip_grad_norm_'s norm) against one
     process under torch.autocast with torch.amp.GradScaler, unscaled: every parameter's relative difference."""

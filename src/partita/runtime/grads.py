@@ -127,10 +127,7 @@ class GradSync:
     def __init__(self, groups: list[ParamGroup], params_of_stage: dict[int, set[int]] | None = None):
         """`params_of_stage`: for each of this rank's stages, the ids of the parameters it reads (a gradient
         is final after the last backward of each of them)."""
-        self.groups = groups
-        self.params = [p for g in groups for p in g.params]
-        self.buckets = [_Bucket(g.group, bucket) for g in groups if g.group is not None
-                        for bucket in buckets(g.params[::-1], BUCKET_BYTES)]
+        self.groups = groups  # every parameter, trained now or not
         self.params_of_stage = params_of_stage or {}
         self.warned = False  # about gradient accumulation, once
         # the last step's buckets, in order: the stage whose last backward ran when each sum started (None:
@@ -138,10 +135,28 @@ class GradSync:
         self.started_during: list[int | None] = []
         self._step: _Step | None = None
         self._overlap = settings.overlap_enabled()
+        self._hooked: set[int] = set()
+        self._trained: tuple[bool, ...] | None = None
+        self.params: list[nn.Parameter] = []
+        self.buckets: list[_Bucket] = []
+        self.follow_trained()
+
+    def follow_trained(self) -> None:
+        """Sum the gradients of the parameters that require grad now: those frozen when the runtime was built
+        and unfrozen since (a fine-tuning that unfreezes layers) too, in buckets made again. Every rank changes
+        requires_grad at the same call, so the buckets stay alike on every rank."""
+        trained = tuple(p.requires_grad for g in self.groups for p in g.params)
+        if trained == self._trained:
+            return
+        self._trained = trained
+        self.params = [p for g in self.groups for p in g.params if p.requires_grad]
+        self.buckets = [_Bucket(g.group, bucket) for g in self.groups if g.group is not None
+                        for bucket in buckets([p for p in g.params[::-1] if p.requires_grad], BUCKET_BYTES)]
         summed = {id(p) for b in self.buckets for p in b.params}
         for p in self.params:
-            if self._overlap and id(p) in summed:
+            if self._overlap and id(p) in summed and id(p) not in self._hooked:
                 p.register_post_accumulate_grad_hook(self._accumulated)
+                self._hooked.add(id(p))
 
     def stash(self) -> list[torch.Tensor | None]:
         """Set every gradient aside, so that the next backward produces only its own contribution; from now

@@ -55,6 +55,6 @@ def gradient_groups(plan: Plan, stage_params: dict[int, set[str]], rank: int,
         if rank in ranks:
             # in module order: GradSync's buckets take them backwards, as the backward finishes them
             chosen = set(by_ranks[ranks])
-            params = [p for f, p in parameter.items() if f in chosen and p.requires_grad]
+            params = [p for f, p in parameter.items() if f in chosen]  # GradSync sums those that require grad
             groups.append(ParamGroup(ranks, group, params))
     return groups

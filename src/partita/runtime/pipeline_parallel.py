@@ -63,6 +63,7 @@ class PipelineParallel(Runtime):
             self.keep_optimizer_state_here(optimizer)
 
     def __call__(self, call: Call):
+        self.grads.follow_trained()
         engine = self._engine_for(call)
         if self.loss is not None and self.module.training and torch.is_grad_enabled():
             return engine.train_step(call.tensors, call.target, self.loss, call.rows)
