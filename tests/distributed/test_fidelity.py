@@ -223,3 +223,13 @@ def test_a_parameter_unfrozen_after_the_first_call_trains_as_in_one_process(pool
     for r in pools.run(2, "support.cases:unfrozen", stages=stages, replicas=replicas, micro_batches=micro_batches):
         assert r["plan"][:3] == (stages, replicas, micro_batches), r["plan"]
         assert max(r["worst"]) < 1e-6, r["worst"]
+
+
+@pytest.mark.parametrize("stages,replicas,micro_batches", [(1, 2, 1), (2, 1, 2)])  # DDP; a pipeline
+def test_state_dict_is_the_same_on_every_rank_with_batchnorm_statistics(pools, stages, replicas, micro_batches):
+    """Each replica's BatchNorm statistics come from its own rows; state_dict() gives the first replica's (as
+    DDP uses them) on every rank."""
+    results = pools.run(2, "support.cases:state_after_training", "batchnorm", stages=stages, replicas=replicas,
+                        micro_batches=micro_batches)
+    assert results[0]["plan"][:3] == (stages, replicas, micro_batches), results[0]["plan"]
+    assert results[0]["state"] == results[1]["state"]

@@ -380,6 +380,25 @@ def unfrozen(**plan_args) -> dict:
     return {"worst": worst, "plan": _summary(pm.plan)}
 
 
+def state_after_training(name: str, **plan_args) -> dict:
+    """Two training steps, each rank with its own rows; then state_dict(), as float.hex per value, on every
+    rank (to compare the ranks')."""
+    case = CASES[name]
+    torch.manual_seed(0)
+    model = case.make()
+    opt = _optimizer("sgd", model)
+    pm = partita.parallelize(model, opt, loss_fn=case.loss_fn, **plan_args)
+    rank, world, local_batch = partita.get_rank(), partita.get_world_size(), 4
+    for step in range(2):
+        args, kwargs, target = case.batch(world * local_batch, torch.Generator().manual_seed(step))
+        mine = slice(rank * local_batch, (rank + 1) * local_batch)
+        pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine)).backward()
+        opt.step()
+        opt.zero_grad()
+    state = {n: [float(v).hex() for v in t.detach().double().flatten().tolist()] for n, t in pm.state_dict().items()}
+    return {"state": state, "plan": _summary(pm.plan)}
+
+
 def fp16_gradients(**plan_args) -> dict:
     """One float16 step's gradients as partita gives them (get_param_grad, clip_grad_norm_'s norm) against one
     process under torch.autocast with torch.amp.GradScaler, unscaled: every parameter's relative difference."""

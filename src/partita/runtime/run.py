@@ -163,9 +163,16 @@ class Runtime:
         return self._whole((n, t) for n, t in named_state(self.module).items() if n not in saved)
 
     def _whole(self, items) -> dict[str, torch.Tensor]:
+        items = list(items)
         named = [(n, full_value(t)) for n, t in items]
         if not self.split_gradients:
-            return {n: t.detach().clone() for n, t in named}
+            # DDP: every rank's parameters are the same, its buffers (BatchNorm statistics) its own, of which
+            # DDP takes rank 0's before each forward: those, from their owner
+            params = {id(p) for p in self.module.parameters()}
+            buffers = {n for n, t in items if id(t) not in params}
+            taken = broadcast_from_owners([(n, t) for n, t in named if n in buffers], self.ownership.owner,
+                                          self.device)
+            return {n: taken[n] if n in taken else t.detach().clone() for n, t in named}
         return dict(broadcast_from_owners(named, self.ownership.owner, self.device))
 
     def parameter(self, name: str, grad: bool) -> torch.Tensor | None:
