@@ -100,8 +100,12 @@ def test_batchnorm_replicas_keep_one_set_of_statistics(pools):
     assert r["plan"][:3] == (2, 2, 1)
 
 
-def test_model_that_returns_its_loss(pools):
-    fidelity(pools, 2, "loss_out", "eval", stages=2, style="outputs", eval_batch=4)
+@pytest.mark.parametrize("stages", [2, 1])  # a pipeline; DDP
+def test_model_that_returns_its_loss(pools, stages):
+    """The loss comes back as the global batch's mean; the inputs' gradients are of each rank's own loss, as under
+    DDP, with a pipeline too."""
+    fidelity(pools, 2, "loss_out", "eval", "input_grad", stages=stages, style="outputs", eval_batch=4,
+             input_grad=True)
 
 
 def test_model_without_parameters(pools):
@@ -222,6 +226,14 @@ def test_a_parameter_unfrozen_after_the_first_call_trains_as_in_one_process(pool
                                                                             micro_batches):
     for r in pools.run(2, "support.cases:unfrozen", stages=stages, replicas=replicas, micro_batches=micro_batches):
         assert r["plan"][:3] == (stages, replicas, micro_batches), r["plan"]
+        assert max(r["worst"]) < 1e-6, r["worst"]
+
+
+@pytest.mark.parametrize("sharding", ["optimizer", "gradients", "parameters"])
+def test_a_parameter_unfrozen_after_the_first_call_trains_as_in_one_process_when_sharded(pools, sharding):
+    """Sharded state is laid out when parallelized: a parameter frozen then must still get its share of it."""
+    for r in pools.run(2, "support.cases:unfrozen", stages=1, replicas=2, micro_batches=1, sharding=sharding):
+        assert r["sharding"] == [sharding], r["sharding"]
         assert max(r["worst"]) < 1e-6, r["worst"]
 
 

@@ -377,7 +377,7 @@ def unfrozen(**plan_args) -> dict:
                          + [0.0 if (a is None) == (b is None) else math.inf for a, b in grads]))
         for o in (opt, ref_opt):
             o.zero_grad()
-    return {"worst": worst, "plan": _summary(pm.plan)}
+    return {"worst": worst, "plan": _summary(pm.plan), "sharding": [s.sharding for s in pm.plan.stages]}
 
 
 def state_after_training(name: str, **plan_args) -> dict:
