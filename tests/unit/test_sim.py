@@ -1,6 +1,7 @@
 """The simulator: closed forms, hand-checked steps, transfers, deadlocks, and the pictures."""
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 
 from partita.schedule import Action, orders
 from partita.sim import StageCosts, simulate
+from partita.sim.longest_path import step_graph
 from partita.sim.timeline import draw_timeline
 
 from test_schedule import TABLE, parse_orders
@@ -104,6 +106,21 @@ def test_every_schedule_simulates_without_deadlock(schedule, num_stages, pipelin
     assert trace.makespan_s >= lower_bound
     for starts, ends in zip(trace.starts_s, trace.ends_s):  # one action at a time per rank
         assert all(end <= next_start for end, next_start in zip(ends, starts[1:]))
+
+
+@pytest.mark.parametrize("schedule,num_stages,pipeline_size,micro_batches", TABLE)
+def test_the_step_graph_gives_the_simulators_makespan(schedule, num_stages, pipeline_size, micro_batches):
+    """Random costs, transfers and split backwards: the same number, to the last bit."""
+    order = orders(schedule, num_stages, pipeline_size, micro_batches)
+    graph = step_graph(order, num_stages)
+    rng = random.Random(f"{schedule}{num_stages}{pipeline_size}{micro_batches}")
+    for _ in range(5):
+        costs = [[rng.uniform(0.1, 3.0) for _ in range(num_stages)] for _ in range(6)]
+        f, b, sa, sg, i, w = costs
+        if rng.random() < 0.5:
+            i, w = (), ()  # the halves by default
+        want = simulate(order, StageCosts(f, b, sa, sg, i, w)).makespan_s
+        assert graph.makespan_s(f, b, sa, sg, i, w) == want
 
 
 def test_deadlocked_orders_raise():

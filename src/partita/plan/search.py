@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import NamedTuple
 
 from partita.cluster import Cluster
@@ -40,6 +41,7 @@ from partita.plan.rank_loads import RankLoads, StageFloors
 from partita.schedule import check_sizes, orders
 from partita.schedule.catalog import stages_per_rank
 from partita.sim import StageCosts, Trace, simulate
+from partita.sim.longest_path import StepGraph, step_graph
 
 SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 # Nodes (a stage, or a looped layout's pair of stages, tried): per layout, so that one hard layout leaves
@@ -50,7 +52,7 @@ SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 NODE_BUDGET = 10_000
 SEARCH_BUDGET = 25_000
 PROBE_BUDGET = 500  # nodes per layout in the first round (see `search`)
-ACTIONS_PER_NODE = 100  # a node costs about as much Python as simulating this many actions
+ACTIONS_PER_NODE = 500  # a node costs about as much Python as walking this many actions of the step graph
 PRUNE_TOLERANCE = 1e-9  # relative: a plan this much faster than the best found does not count as faster
 CHECKS_PER_NODE = 16  # a node costs about as much as this many pairs of stages checked by RankLoads
 LOADS_REFRESH = 0.002  # relative: a better best step than this makes the ranks' load table again
@@ -739,7 +741,12 @@ class PartitionSearch:
                 bwd.append(cost.bwd_s)
                 send_f.append(cost.send_fwd_s)
                 send_b.append(cost.send_bwd_s)
-        return simulate(self.orders, StageCosts(fwd, bwd, send_f, send_b)).makespan_s
+        return self.step_graph.makespan_s(fwd, bwd, send_f, send_b)
+
+    @cached_property
+    def step_graph(self) -> StepGraph:
+        """The layout's schedule as a graph, laid out once: the search simulates hundreds of partial plans."""
+        return step_graph(self.orders, self.model.layout.num_stages)
 
     def _later_ranks_fit(self, step: "_Step") -> bool:
         """Whether the blocks left in both loops might fit the ranks after this one."""
