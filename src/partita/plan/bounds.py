@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import weakref
 
 from partita.plan.cost import CostModel
 from partita.schedule import orders
@@ -316,6 +317,17 @@ class Remainder:
         return need - 5 * (stop - start)  # a stage's memory rounds each of its five parts down to bytes
 
 
+_REMAINDERS: weakref.WeakKeyDictionary[CostModel, Remainder] = weakref.WeakKeyDictionary()
+
+
+def remainder(model: CostModel) -> Remainder:
+    """The model's `Remainder`, made once: a layout's bounds, its first plans and each round of its search ask
+    for the same one, and its tables take a model's blocks several passes to make."""
+    if model not in _REMAINDERS:
+        _REMAINDERS[model] = Remainder(model)
+    return _REMAINDERS[model]
+
+
 def layout_bound(model: CostModel, refined: bool = False) -> float:
     """No plan of this layout steps faster (math.inf: none fits memory). `refined`: also count the forwards
     that memory forces to recompute (this needs the schedule's orders, so it is left for the layouts that the
@@ -327,7 +339,7 @@ def layout_bound(model: CostModel, refined: bool = False) -> float:
     bound with what that forces to recompute, grows as T shrinks, and every plan's makespan is at least T or
     at least makespan(T). The largest T with makespan(T) >= T (found by bisection) bounds every plan."""
     lay = model.layout
-    rest = Remainder(model)
+    rest = remainder(model)
     s, p, m = lay.num_stages, lay.pipeline_size, lay.micro_batches
     if rest.memory(0) > p * model.capacity:
         return math.inf

@@ -50,7 +50,7 @@ from partita.graph import ModelGraph, Profile
 from partita.plan.plan import FSDP_LEVELS, rank_layout
 from partita.schedule import orders
 from partita.schedule.inflight import micro_batches_in_flight
-from partita.schedule.catalog import SPLIT_BACKWARD_SCHEDULES, stages_per_rank
+from partita.schedule.catalog import SPLIT_BACKWARD_SCHEDULES
 
 GRAD_BUCKET_BYTES = 32 * 2**20  # partita.runtime.grads.BUCKET_BYTES
 DDP_BUCKET_BYTES = 25 * 10**6  # torch's DistributedDataParallel's bucket_cap_mb

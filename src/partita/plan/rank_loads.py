@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 
 from partita.plan.bounds import Remainder
 from partita.plan.cost import CostModel
@@ -116,6 +117,16 @@ class StageFloors:
             collectives = exclusive * (coll_fwd + coll_bwd)
             out.extend((work + collectives + redo, static + keep, fwd + exclusive * coll_fwd) for redo, keep in kept)
         return out
+
+
+_FLOORS: weakref.WeakKeyDictionary[CostModel, StageFloors] = weakref.WeakKeyDictionary()
+
+
+def stage_floors(model: CostModel) -> StageFloors:
+    """The model's `StageFloors`, made once: each round of a layout's search asks for the same stages."""
+    if model not in _FLOORS:
+        _FLOORS[model] = StageFloors(model)
+    return _FLOORS[model]
 
 
 class RankLoads:

@@ -31,13 +31,13 @@ from typing import NamedTuple
 
 from partita.cluster import Cluster
 from partita.graph import ModelGraph, Profile
-from partita.plan.bounds import Remainder, gpipe, gradients_return, layout_bound, water_level
+from partita.plan.bounds import gpipe, gradients_return, layout_bound, remainder, water_level
 from partita.plan.constraints import Constraints
 from partita.plan.cost import CostModel, Layout, StageCost
 from partita.plan.explain import size
 from partita.plan.partition import balance
 from partita.plan.plan import FSDP_LEVELS, divisors
-from partita.plan.rank_loads import RankLoads, StageFloors
+from partita.plan.rank_loads import RankLoads, stage_floors
 from partita.schedule import check_sizes, orders
 from partita.schedule.catalog import stages_per_rank
 from partita.sim import StageCosts, Trace, simulate
@@ -191,7 +191,7 @@ def _first_plans(result: SearchResult, models: list[CostModel], bounded: list[tu
 
 def _too_big(model: CostModel) -> str:
     """Why no partition of this layout fits memory, when even the least the model needs does not."""
-    need = Remainder(model).memory(0) / model.layout.pipeline_size
+    need = remainder(model).memory(0) / model.layout.pipeline_size
     return (f"weights, gradients, optimizer state and one micro-batch's activations alone need at least "
             f"{size(need)} per rank, {size(model.capacity)} available after the process's own "
             f"{size(model.cluster.overhead_bytes)}")
@@ -280,7 +280,7 @@ class PartitionSearch:
         # a simulation costs as much time as this many nodes: it counts as many against the budget
         self.simulation_nodes = max(1, sum(map(len, self.orders)) // ACTIONS_PER_NODE)
         self.last_stage = {p: s for s, p in enumerate(self.position)}  # per position: its last stage
-        self.rest = Remainder(model)
+        self.rest = remainder(model)
         self.capacity = model.capacity
         self._work_prefix = [model.work(0, i) for i in range(model.num_blocks + 1)]
         whole = model.stage(0, 0, model.num_blocks, False)
@@ -516,7 +516,7 @@ class PartitionSearch:
         prefix = self._work_prefix
         splits = sorted(range(p, n - p + 1), key=lambda x: (abs(2 * prefix[x] - prefix[n]), x))
         root = self._pair_root()
-        self.floors = StageFloors(self.model)
+        self.floors = stage_floors(self.model)
         self.pair_warmups = [self.warmups[r].pair(r, r + p) for r in range(p)]
         # every plan's longest tail is at least this (as in plan.bounds.layout_bound)
         self.least_tail_s = self.model.step_overhead_s + max(rest.stage_tail(rest.largest_block_bytes(0)),
