@@ -399,9 +399,10 @@ def state_after_training(name: str, **plan_args) -> dict:
     return {"state": state, "plan": _summary(pm.plan)}
 
 
-def fp16_gradients(**plan_args) -> dict:
-    """One float16 step's gradients as partita gives them (get_param_grad, clip_grad_norm_'s norm) against one
-    process under torch.autocast with torch.amp.GradScaler, unscaled: every parameter's relative difference."""
+def fp16_gradients(calls: int = 1, **plan_args) -> dict:
+    """float16 gradients as partita gives them (get_param_grad, clip_grad_norm_'s norm) after each of `calls`
+    backwards that accumulate before one optimizer step, and that step's updates, against one process under
+    torch.autocast with torch.amp.GradScaler: every parameter's relative difference, the worst over the reads."""
     case = CASES["gpt"]
     torch.manual_seed(0)
     model = case.make()
@@ -409,21 +410,29 @@ def fp16_gradients(**plan_args) -> dict:
     opt, ref_opt = _optimizer("sgd", model), _optimizer("sgd", ref)
     pm = partita.parallelize(model, opt, loss_fn=case.loss_fn, precision="fp16", **plan_args)
     rank, world, local_batch = partita.get_rank(), partita.get_world_size(), 8
-    args, kwargs, target = case.batch(world * local_batch, torch.Generator().manual_seed(1))
     mine = slice(rank * local_batch, (rank + 1) * local_batch)
-    pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine)).backward()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
-    with torch.autocast("cpu", dtype=torch.float16):
-        ref_loss = case.loss_fn(ref(*args, **kwargs), target)
-    scaler.scale(ref_loss).backward()
-    scaler.unscale_(ref_opt)
-    differences = {}
+    differences: dict[str, float] = {}
+    norms = []
+    for k in range(calls):
+        args, kwargs, target = case.batch(world * local_batch, torch.Generator().manual_seed(1 + k))
+        (pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine)) / calls).backward()
+        with torch.autocast("cpu", dtype=torch.float16):
+            ref_loss = case.loss_fn(ref(*args, **kwargs), target)
+        scaler.scale(ref_loss / calls).backward()
+        # what GradScaler's unscale_ would give now; it unscales once a step, so the reference reads without it
+        want = {name: p.grad / scaler.get_scale() for name, p in ref.named_parameters()}
+        for name, w in want.items():
+            got = pm.get_param_grad(name)
+            differences[name] = max(differences.get(name, 0.0), float((got - w).norm() / w.norm()))
+        norms.append((float(pm.clip_grad_norm_(1e9)), float(torch.nn.utils.get_total_norm(list(want.values())))))
+    before = {name: p.detach().clone() for name, p in ref.named_parameters()}
+    opt.step()
+    scaler.step(ref_opt)
     for name, p in ref.named_parameters():
-        got = pm.get_param_grad(name)
-        differences[name] = float((got - p.grad).norm() / p.grad.norm())
-    want_norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
-    norm = float(pm.clip_grad_norm_(1e9))
-    return {"differences": differences, "norm": norm, "want_norm": want_norm, "plan": _summary(pm.plan),
+        want = p.detach() - before[name]
+        differences["update of " + name] = float((pm.get_param(name) - before[name] - want).norm() / want.norm())
+    return {"differences": differences, "norms": norms, "plan": _summary(pm.plan),
             "sharding": [s.sharding for s in pm.plan.stages]}
 
 

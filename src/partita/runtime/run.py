@@ -133,10 +133,10 @@ class Runtime:
         self.loss_scale = LossScale(list(held.values()), self.device)
         self.loss_scale.take_over_step(optimizer)
 
-    def _unscaled(self) -> None:
-        """Gradients as the loss gives them, before anything partita reads of them."""
-        if self.loss_scale is not None:
-            self.loss_scale.unscale()
+    def _unscaled(self, value: torch.Tensor) -> torch.Tensor:
+        """`value`, read off the gradients held now, as the loss gives it (float16 keeps them scaled until the
+        optimizer's step: a later backward may still add to them)."""
+        return self.loss_scale.unscaled(value) if self.loss_scale is not None else value
 
     def held(self) -> Held:
         local = self.trained_here()
@@ -177,10 +177,10 @@ class Runtime:
 
     def parameter(self, name: str, grad: bool) -> torch.Tensor | None:
         """Parameter `name` (or its gradient), the same on every rank."""
-        if grad:
-            self._unscaled()
         p = self.parameters[name]
         t = full_value(p.grad if grad else p)
+        if grad and t is not None:
+            t = self._unscaled(t)
         if not self.split_gradients:
             return None if t is None else t.detach().clone()
         owner = self.owner_of(name)
@@ -196,7 +196,6 @@ class Runtime:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their norm over the whole model (each parameter counted once, on its owner)."""
-        self._unscaled()
         first = first_names(self.module)
         params = [self.parameters[name] for name in first.values()]
         # a sharded gradient counts its shard on each replica; any other, on its owner
@@ -212,7 +211,7 @@ class Runtime:
                 local += g.detach().double().norm(norm_type) ** norm_type
         if self.split_gradients:
             dist.all_reduce(local, op=dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM)
-        total = local if largest else local ** (1.0 / norm_type)
+        total = self._unscaled(local if largest else local ** (1.0 / norm_type))
         coef = min(1.0, float(max_norm) / (float(total) + 1e-6))
         if coef < 1.0:
             for p in params:
