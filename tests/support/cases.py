@@ -130,7 +130,7 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
              lr_schedule: str | None = None, statistics_replicas: int = 1, roundtrip: dict | None = None,
              eval_batch: int | None = None, no_grad_batch: int | None = None, reduction: str = "mean",
              extra_rows: int = 0, build: str = "cpu", weights: str | None = None, init_fn: str | None = None,
-             **plan_args) -> dict:
+             load_at: int | None = None, **plan_args) -> dict:
     """Train `steps` steps with partita and in one process; report the worst differences, the plans used and
     the global losses partita returned (as float.hex, to compare ranks bit for bit).
 
@@ -149,6 +149,8 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
         the reference loads them and partita's model gets them with weights=.
     init_fn: the name of an initialization in INIT_FNS: partita gets it as init_fn=, the reference applies it
         after building (model.apply), as a user initializing a model on the CPU does.
+    load_at: before that step, both models load other weights and partita's optimizer the reference's state,
+        whole state dicts through load_state_dict (see _SideBySide.load).
     """
     if lr_schedule and roundtrip:
         raise ValueError("lr_schedule and roundtrip do not combine: the fresh run has no scheduler")
@@ -177,6 +179,8 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
                        exact_initial=build != "cpu" or weights is not None)
     sched = _scheduler(lr_schedule, opt)
     for step in range(steps):
+        if step == load_at:
+            side.load(pm, opt)
         side.step(pm, opt, sched, f"step {step}")
     side.compare_model(pm, opt)
     full = pm.state_dict()
@@ -661,6 +665,16 @@ class _SideBySide:
                 self.diffs.add(kind, f"{label} {pytree.keystr(path)}", g, w)
             elif g != w:
                 self.diffs.fail(kind, f"{label} {pytree.keystr(path)}: {g!r}, want {w!r}")
+
+    def load(self, pm, opt) -> None:
+        """Mid-training, the model's weights from another build of it into both models, and the reference
+        optimizer's state into partita's, each state dict whole as a file gives it back (load_state_dict)."""
+        torch.manual_seed(123)
+        weights = _through_bytes(self.case.make().state_dict())
+        pm.load_state_dict(weights)
+        self.ref.load_state_dict(weights)
+        opt.load_state_dict(_through_bytes(self.ref_opt.state_dict()))
+        self.compare_model(pm, opt, "loaded ")
 
     def compare_model(self, pm, opt, prefix: str = "") -> None:
         """Parameters and optimizer state, gathered by partita, against the reference's."""

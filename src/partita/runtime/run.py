@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 import contextlib
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from partita.plan.plan import Plan
 from partita.runtime.batch import Call
@@ -156,6 +158,16 @@ class Runtime:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state under its original names, the same on every rank."""
         return self._whole(self.module.state_dict(keep_vars=True).items())
+
+    def as_held(self, state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """A whole-model state dict as this rank's module holds it, for its load_state_dict: each tensor FSDP
+        shards cut to this replica's shard (every replica cuts its own, without communication)."""
+        held = self.module.state_dict(keep_vars=True)
+        out = OrderedDict((n, shard_like(v, held[n]) if isinstance(held.get(n), DTensor) and isinstance(v, torch.Tensor)
+                           else v) for n, v in state_dict.items())
+        if hasattr(state_dict, "_metadata"):  # module versions, which load_state_dict reads
+            out._metadata = state_dict._metadata
+        return out
 
     def unsaved_state(self) -> dict[str, torch.Tensor]:
         """The tensors no state_dict holds (buffers registered with persistent=False), whole on every rank."""
