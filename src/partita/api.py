@@ -237,7 +237,10 @@ class ParallelModule(nn.Module):
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a whole-model state dict (original names): each rank takes the tensors it holds."""
+        """Load a whole-model state dict (original names): each rank takes the tensors it holds (its shard of
+        those FSDP shards over replicas)."""
+        if self._runtime is not None:
+            state_dict = self._runtime.as_held(state_dict)
         with warnings.catch_warnings():
             # the tensors of other ranks' stages are meta here: not copying into them is what is meant
             warnings.filterwarnings("ignore", message=".*to a meta parameter in the current model, which is a no-op")

@@ -39,6 +39,18 @@ def test_fsdp_levels_equal_one_process(pools, world, stages, micro_batches, opti
 
 
 @pytest.mark.parametrize("sharding", ["gradients", "parameters"])
+@pytest.mark.parametrize("world,name,stages,micro_batches", [(2, "mlp", 1, 1), (4, "gpt", 2, 2)])
+def test_whole_state_dicts_load_mid_training_under_fsdp(pools, world, name, stages, micro_batches, sharding):
+    """model.load_state_dict and optimizer.load_state_dict of whole state dicts after training began, when
+    the parameters are DTensor shards: each replica takes its shard, and training goes on as one process that
+    loaded the same."""
+    r = fidelity(pools, world, name, "loaded param", "loaded optimizer", load_at=1, stages=stages,
+                 micro_batches=micro_batches, sharding=sharding)
+    assert r["plan"][:3] == (stages, world // stages, micro_batches)
+    assert r["sharded_params"][0] > 0
+
+
+@pytest.mark.parametrize("sharding", ["gradients", "parameters"])
 @pytest.mark.parametrize("name,options", [
     ("tied_embedding", {"stages": 1, "micro_batches": 1}),
     ("tied_embedding", {"stages": 2, "micro_batches": 2}),

@@ -130,7 +130,7 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
              lr_schedule: str | None = None, statistics_replicas: int = 1, roundtrip: dict | None = None,
              eval_batch: int | None = None, no_grad_batch: int | None = None, reduction: str = "mean",
              extra_rows: int = 0, build: str = "cpu", weights: str | None = None, init_fn: str | None = None,
-             **plan_args) -> dict:
+             load_at: int | None = None, **plan_args) -> dict:
     """Train `steps` steps with partita and in one process; report the worst differences, the plans used and
     the global losses partita returned (as float.hex, to compare ranks bit for bit).
 
@@ -149,6 +149,8 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
         the reference loads them and partita's model gets them with weights=.
     init_fn: the name of an initialization in INIT_FNS: partita gets it as init_fn=, the reference applies it
         after building (model.apply), as a user initializing a model on the CPU does.
+    load_at: before that step, both models load other weights and partita's optimizer the reference's state,
+        whole state dicts through load_state_dict (see _SideBySide.load).
     """
     if lr_schedule and roundtrip:
         raise ValueError("lr_schedule and roundtrip do not combine: the fresh run has no scheduler")
@@ -177,6 +179,8 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
                        exact_initial=build != "cpu" or weights is not None)
     sched = _scheduler(lr_schedule, opt)
     for step in range(steps):
+        if step == load_at:
+            side.load(pm, opt)
         side.step(pm, opt, sched, f"step {step}")
     side.compare_model(pm, opt)
     full = pm.state_dict()
@@ -399,9 +403,10 @@ def state_after_training(name: str, **plan_args) -> dict:
     return {"state": state, "plan": _summary(pm.plan)}
 
 
-def fp16_gradients(**plan_args) -> dict:
-    """One float16 step's gradients as partita gives them (get_param_grad, clip_grad_norm_'s norm) against one
-    process under torch.autocast with torch.amp.GradScaler, unscaled: every parameter's relative difference."""
+def fp16_gradients(calls: int = 1, **plan_args) -> dict:
+    """float16 gradients as partita gives them (get_param_grad, clip_grad_norm_'s norm) after each of `calls`
+    backwards that accumulate before one optimizer step, and that step's updates, against one process under
+    torch.autocast with torch.amp.GradScaler: every parameter's relative difference, the worst over the reads."""
     case = CASES["gpt"]
     torch.manual_seed(0)
     model = case.make()
@@ -409,21 +414,29 @@ def fp16_gradients(**plan_args) -> dict:
     opt, ref_opt = _optimizer("sgd", model), _optimizer("sgd", ref)
     pm = partita.parallelize(model, opt, loss_fn=case.loss_fn, precision="fp16", **plan_args)
     rank, world, local_batch = partita.get_rank(), partita.get_world_size(), 8
-    args, kwargs, target = case.batch(world * local_batch, torch.Generator().manual_seed(1))
     mine = slice(rank * local_batch, (rank + 1) * local_batch)
-    pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine)).backward()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
-    with torch.autocast("cpu", dtype=torch.float16):
-        ref_loss = case.loss_fn(ref(*args, **kwargs), target)
-    scaler.scale(ref_loss).backward()
-    scaler.unscale_(ref_opt)
-    differences = {}
+    differences: dict[str, float] = {}
+    norms = []
+    for k in range(calls):
+        args, kwargs, target = case.batch(world * local_batch, torch.Generator().manual_seed(1 + k))
+        (pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine)) / calls).backward()
+        with torch.autocast("cpu", dtype=torch.float16):
+            ref_loss = case.loss_fn(ref(*args, **kwargs), target)
+        scaler.scale(ref_loss / calls).backward()
+        # what GradScaler's unscale_ would give now; it unscales once a step, so the reference reads without it
+        want = {name: p.grad / scaler.get_scale() for name, p in ref.named_parameters()}
+        for name, w in want.items():
+            got = pm.get_param_grad(name)
+            differences[name] = max(differences.get(name, 0.0), float((got - w).norm() / w.norm()))
+        norms.append((float(pm.clip_grad_norm_(1e9)), float(torch.nn.utils.get_total_norm(list(want.values())))))
+    before = {name: p.detach().clone() for name, p in ref.named_parameters()}
+    opt.step()
+    scaler.step(ref_opt)
     for name, p in ref.named_parameters():
-        got = pm.get_param_grad(name)
-        differences[name] = float((got - p.grad).norm() / p.grad.norm())
-    want_norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
-    norm = float(pm.clip_grad_norm_(1e9))
-    return {"differences": differences, "norm": norm, "want_norm": want_norm, "plan": _summary(pm.plan),
+        want = p.detach() - before[name]
+        differences["update of " + name] = float((pm.get_param(name) - before[name] - want).norm() / want.norm())
+    return {"differences": differences, "norms": norms, "plan": _summary(pm.plan),
             "sharding": [s.sharding for s in pm.plan.stages]}
 
 
@@ -652,6 +665,16 @@ class _SideBySide:
                 self.diffs.add(kind, f"{label} {pytree.keystr(path)}", g, w)
             elif g != w:
                 self.diffs.fail(kind, f"{label} {pytree.keystr(path)}: {g!r}, want {w!r}")
+
+    def load(self, pm, opt) -> None:
+        """Mid-training, the model's weights from another build of it into both models, and the reference
+        optimizer's state into partita's, each state dict whole as a file gives it back (load_state_dict)."""
+        torch.manual_seed(123)
+        weights = _through_bytes(self.case.make().state_dict())
+        pm.load_state_dict(weights)
+        self.ref.load_state_dict(weights)
+        opt.load_state_dict(_through_bytes(self.ref_opt.state_dict()))
+        self.compare_model(pm, opt, "loaded ")
 
     def compare_model(self, pm, opt, prefix: str = "") -> None:
         """Parameters and optimizer state, gathered by partita, against the reference's."""

@@ -20,8 +20,8 @@ optimizer state. The replicas *sum* (FSDP's divide factor 1): partita scales eve
 (tied weights), stays whole on every replica and is summed after the pipeline as without sharding.
 
 The user's module and optimizer hold the sharded parameters (DTensors) from then on: `parameter`, `state_dict`
-and checkpoints gather them (`full_value`), and optimizer state loaded whole is cut to this replica's shard
-(`shard_like`).
+and checkpoints gather them (`full_value`), and model or optimizer state loaded whole is cut to this replica's
+shard (`shard_like`).
 """
 
 from __future__ import annotations

@@ -90,10 +90,12 @@ class LowPrecision(nn.Module):
 
 class LossScale:
     """float16's dynamic loss scale, the same on every rank. The backward runs on the loss times `scale`, so
-    that small gradients survive in float16; parameter gradients are divided by it again before anything reads
-    them (the optimizer's step, partita's gradient norm and get_param_grad). When any rank's gradients
-    overflowed, every rank skips that optimizer step, the scale halves and the log says so; after
-    GROWTH_INTERVAL clean steps it doubles. Gradients of the inputs stay scaled, as with torch.amp.GradScaler."""
+    that small gradients survive in float16. Parameter gradients stay scaled until the optimizer's step divides
+    them, once per step as torch.amp.GradScaler unscales: what partita reads of them before (its gradient norm,
+    get_param_grad) is divided as it is read (`unscaled`), so that a backward accumulating after a read adds
+    onto gradients that carry the same scale as its own. When any rank's gradients overflowed, every rank
+    skips that optimizer step, the scale halves and the log says so; after GROWTH_INTERVAL clean steps it
+    doubles. Gradients of the inputs stay scaled, as with torch.amp.GradScaler."""
 
     def __init__(self, params: list[nn.Parameter], device: torch.device):
         self.params, self.device = params, device
@@ -105,6 +107,11 @@ class LossScale:
         """`value` (any structure of tensors), whose gradients are multiplied by the scale on their way back."""
         return pytree.tree_map_only(torch.Tensor, lambda t: _Scaled.apply(t, self) if t.requires_grad else t,
                                     value)
+
+    def unscaled(self, value: torch.Tensor) -> torch.Tensor:
+        """`value`, read off the gradients held now, as the loss itself gives it (a new tensor when they are
+        scaled; the scale is a power of two, so dividing is exact, as the step's own division is)."""
+        return value / self.scale if self.scaled else value
 
     def unscale(self) -> None:
         if not self.scaled:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 import contextlib
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from partita.plan.plan import Plan
 from partita.runtime.batch import Call
@@ -133,10 +135,10 @@ class Runtime:
         self.loss_scale = LossScale(list(held.values()), self.device)
         self.loss_scale.take_over_step(optimizer)
 
-    def _unscaled(self) -> None:
-        """Gradients as the loss gives them, before anything partita reads of them."""
-        if self.loss_scale is not None:
-            self.loss_scale.unscale()
+    def _unscaled(self, value: torch.Tensor) -> torch.Tensor:
+        """`value`, read off the gradients held now, as the loss gives it (float16 keeps them scaled until the
+        optimizer's step: a later backward may still add to them)."""
+        return self.loss_scale.unscaled(value) if self.loss_scale is not None else value
 
     def held(self) -> Held:
         local = self.trained_here()
@@ -156,6 +158,16 @@ class Runtime:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state under its original names, the same on every rank."""
         return self._whole(self.module.state_dict(keep_vars=True).items())
+
+    def as_held(self, state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """A whole-model state dict as this rank's module holds it, for its load_state_dict: each tensor FSDP
+        shards cut to this replica's shard (every replica cuts its own, without communication)."""
+        held = self.module.state_dict(keep_vars=True)
+        out = OrderedDict((n, shard_like(v, held[n]) if isinstance(held.get(n), DTensor) and isinstance(v, torch.Tensor)
+                           else v) for n, v in state_dict.items())
+        if hasattr(state_dict, "_metadata"):  # module versions, which load_state_dict reads
+            out._metadata = state_dict._metadata
+        return out
 
     def unsaved_state(self) -> dict[str, torch.Tensor]:
         """The tensors no state_dict holds (buffers registered with persistent=False), whole on every rank."""
@@ -177,10 +189,10 @@ class Runtime:
 
     def parameter(self, name: str, grad: bool) -> torch.Tensor | None:
         """Parameter `name` (or its gradient), the same on every rank."""
-        if grad:
-            self._unscaled()
         p = self.parameters[name]
         t = full_value(p.grad if grad else p)
+        if grad and t is not None:
+            t = self._unscaled(t)
         if not self.split_gradients:
             return None if t is None else t.detach().clone()
         owner = self.owner_of(name)
@@ -196,7 +208,6 @@ class Runtime:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their norm over the whole model (each parameter counted once, on its owner)."""
-        self._unscaled()
         first = first_names(self.module)
         params = [self.parameters[name] for name in first.values()]
         # a sharded gradient counts its shard on each replica; any other, on its owner
@@ -212,7 +223,7 @@ class Runtime:
                 local += g.detach().double().norm(norm_type) ** norm_type
         if self.split_gradients:
             dist.all_reduce(local, op=dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM)
-        total = local if largest else local ** (1.0 / norm_type)
+        total = self._unscaled(local if largest else local ** (1.0 / norm_type))
         coef = min(1.0, float(max_norm) / (float(total) + 1e-6))
         if coef < 1.0:
             for p in params:
