@@ -100,6 +100,19 @@ def test_batchnorm_replicas_keep_one_set_of_statistics(pools):
     assert r["plan"][:3] == (2, 2, 1)
 
 
+@pytest.mark.parametrize("stages,eval_from,style", [(2, 0, "loss_fn"), (2, 1, "loss_fn"), (2, 1, "outputs"),
+                                                     (1, 1, "loss_fn")])  # a pipeline; DDP
+def test_a_submodule_in_eval_mode_stays_in_it(pools, stages, eval_from, style):
+    """A frozen BatchNorm (bn1.eval() in a training model) normalizes by its running statistics and leaves
+    them as they are, as in one process, put in eval mode before the first call (which captures and plans)
+    or after a training step; the other BatchNorm goes on training (on each replica's rows); then a call in
+    eval mode."""
+    r = fidelity(pools, 2, "batchnorm", "eval", *returned(style), stages=stages, replicas=2 // stages,
+                 micro_batches=1, schedule="GPipe", style=style, eval_modules=("bn1",), eval_from=eval_from,
+                 eval_batch=4, statistics_replicas=2 // stages)
+    assert r["plan"][:3] == (stages, 2 // stages, 1)
+
+
 def test_model_that_returns_its_loss(pools):
     fidelity(pools, 2, "loss_out", "eval", stages=2, style="outputs", eval_batch=4)
 

@@ -130,7 +130,7 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
              lr_schedule: str | None = None, statistics_replicas: int = 1, roundtrip: dict | None = None,
              eval_batch: int | None = None, no_grad_batch: int | None = None, reduction: str = "mean",
              extra_rows: int = 0, build: str = "cpu", weights: str | None = None, init_fn: str | None = None,
-             **plan_args) -> dict:
+             eval_modules: tuple[str, ...] = (), eval_from: int = 0, **plan_args) -> dict:
     """Train `steps` steps with partita and in one process; report the worst differences, the plans used and
     the global losses partita returned (as float.hex, to compare ranks bit for bit).
 
@@ -149,6 +149,8 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
         the reference loads them and partita's model gets them with weights=.
     init_fn: the name of an initialization in INIT_FNS: partita gets it as init_fn=, the reference applies it
         after building (model.apply), as a user initializing a model on the CPU does.
+    eval_modules: names of modules put in eval mode on both sides from step `eval_from` on, before its call
+        ("": the whole model, trained in eval mode; "bn1": a frozen BatchNorm in a training model).
     """
     if lr_schedule and roundtrip:
         raise ValueError("lr_schedule and roundtrip do not combine: the fresh run has no scheduler")
@@ -177,6 +179,10 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
                        exact_initial=build != "cpu" or weights is not None)
     sched = _scheduler(lr_schedule, opt)
     for step in range(steps):
+        if step == eval_from:
+            for module in eval_modules:
+                model.get_submodule(module).eval()
+                ref.get_submodule(module).eval()
         side.step(pm, opt, sched, f"step {step}")
     side.compare_model(pm, opt)
     full = pm.state_dict()

@@ -204,7 +204,7 @@ class Engine:
         local, micro_batch_rows = self._sizes(rows)
         p, plan = self.place, self.plan
         self._sync_buffers()
-        has_backward = grad and self.cap.training and loss is None
+        has_backward = grad and self.cap.modes.training and loss is None
         pipe = self._pipeline(micro_batch_rows, has_backward, None)
         inputs = self._gather_inputs(tensors)
         micro_batches = None
