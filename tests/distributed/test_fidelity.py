@@ -113,6 +113,16 @@ def test_a_submodule_in_eval_mode_stays_in_it(pools, stages, eval_from, style):
     assert r["plan"][:3] == (stages, 2 // stages, 1)
 
 
+@pytest.mark.parametrize("stages,micro_batches,schedule,style", [(2, 2, "1F1B", "loss_fn"), (2, 2, "GPipe", "outputs"),
+                                                                  (1, 1, None, "loss_fn")])  # pipelines; DDP
+def test_training_in_eval_mode(pools, stages, micro_batches, schedule, style):
+    """model.eval() changes what BatchNorm computes (its running statistics, which stay as they are), not
+    whether gradients flow: trained in eval mode, as in one process."""
+    r = fidelity(pools, 2, "batchnorm", *returned(style), stages=stages, replicas=2 // stages,
+                 micro_batches=micro_batches, schedule=schedule, style=style, eval_modules=("",))
+    assert r["plan"][:3] == (stages, 2 // stages, micro_batches)
+
+
 def test_model_that_returns_its_loss(pools):
     fidelity(pools, 2, "loss_out", "eval", stages=2, style="outputs", eval_batch=4)
 

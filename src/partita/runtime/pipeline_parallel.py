@@ -65,7 +65,8 @@ class PipelineParallel(Runtime):
     def __call__(self, call: Call):
         self.grads.follow_trained()
         engine = self._engine_for(call)
-        if self.loss is not None and self.module.training and torch.is_grad_enabled():
+        # eval mode changes what modules compute, not whether gradients flow: as in torch, grad mode decides
+        if self.loss is not None and torch.is_grad_enabled():
             return engine.train_step(call.tensors, call.target, self.loss, call.rows)
         return engine.forward(call.tensors, call.target, self.loss, torch.is_grad_enabled(), call.rows)
 
