@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from partita.capture.dtypes import InputDtype, dtype_problem, input_dtypes
-from partita.capture.export import CallSignature, CapturedGraph, capture, flatten_call, misplaced
+from partita.capture.export import CallSignature, CapturedGraph, Modes, capture, flatten_call, misplaced
 from partita.capture.model_graph import model_graph
 from partita.checkpoint.loading import load_optimizer_state
 from partita.checkpoint.relayout import relayout
@@ -33,7 +33,7 @@ from partita.runtime.batch import Call, local_rows, loss_of, sizes_beyond_batch,
 from partita.runtime.build import build_runtime
 from partita.runtime.materialize import Initial, InitFn, check_devices, initial_of
 from partita.runtime.precision import SCALED, check_precision
-from partita.runtime.run import Held, Runtime, in_mode
+from partita.runtime.run import Held, Runtime, as_trained
 from partita.runtime.step_clock import Mark, StepClock, mark
 from partita.sim import Trace
 
@@ -61,6 +61,7 @@ class ParallelModule(nn.Module):
         self._capture: tuple[CapturedGraph, CallSignature] | None = None  # the first call's, and its signature
         self._input_dtypes: list[InputDtype] = []
         self._parameter_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        self._modules_listed = list(model.modules())  # for each call's modes (`Modes.of`)
         self._optimizer_state_from: Path | None = None  # a checkpoint to load it from once the model holds its part
 
     @property
@@ -87,8 +88,9 @@ class ParallelModule(nn.Module):
             tensors, signature = flatten_call(tuple(args), kwargs)
         except BatchError as e:
             problem = problem or e
-        call = Call(tuple(args), kwargs, tensors, signature, target,
-                    self._start_agreeing(tensors, target, signature, problem, world.device))
+        modes = Modes.of(self._modules_listed)
+        call = Call(tuple(args), kwargs, tensors, signature, target, modes,
+                    self._start_agreeing(tensors, target, signature, modes, problem, world.device))
         if self._runtime is None:
             self._setup(call)
         training = self.module.training and torch.is_grad_enabled()
@@ -139,7 +141,7 @@ class ParallelModule(nn.Module):
                 lambda: clock.ended(mark(device))))
 
     def _start_agreeing(self, tensors: list[torch.Tensor], target: torch.Tensor | None,
-                        signature: CallSignature | None, problem: BatchError | None,
+                        signature: CallSignature | None, modes: Modes, problem: BatchError | None,
                         device: torch.device) -> agreement.Agreement:
         """Start agreeing with every rank on this call (see runtime.agreement); `rows()` waits for them."""
         every = tensors + ([target] if target is not None else [])
@@ -151,13 +153,13 @@ class ParallelModule(nn.Module):
             problem = problem or e
         same_shapes = self._runtime is None or self._runtime.same_shapes
         description = agreement.describe_call(tensors, target, signature, same_shapes=same_shapes,
-                                              training=self.module.training)
+                                              modes=modes)
         return agreement.start_call(description, rows, problem, first=self._runtime is None, same_sizes=same_shapes)
 
     def _setup(self, call: Call) -> None:
         world = env.world()
         rows = call.rows  # every rank agrees on the call before the collectives of setting up
-        with agreement.together("capturing the model"), in_mode(self.module, True):
+        with agreement.together("capturing the model"), as_trained(self.module):
             check_devices(self.module, world.device)
             cap = capture(self.module, call.args, call.kwargs)
             self._input_dtypes = input_dtypes(cap)

@@ -100,6 +100,29 @@ def test_batchnorm_replicas_keep_one_set_of_statistics(pools):
     assert r["plan"][:3] == (2, 2, 1)
 
 
+@pytest.mark.parametrize("stages,eval_from,style", [(2, 0, "loss_fn"), (2, 1, "loss_fn"), (2, 1, "outputs"),
+                                                     (1, 1, "loss_fn")])  # a pipeline; DDP
+def test_a_submodule_in_eval_mode_stays_in_it(pools, stages, eval_from, style):
+    """A frozen BatchNorm (bn1.eval() in a training model) normalizes by its running statistics and leaves
+    them as they are, as in one process, put in eval mode before the first call (which captures and plans)
+    or after a training step; the other BatchNorm goes on training (on each replica's rows); then a call in
+    eval mode."""
+    r = fidelity(pools, 2, "batchnorm", "eval", *returned(style), stages=stages, replicas=2 // stages,
+                 micro_batches=1, schedule="GPipe", style=style, eval_modules=("bn1",), eval_from=eval_from,
+                 eval_batch=4, statistics_replicas=2 // stages)
+    assert r["plan"][:3] == (stages, 2 // stages, 1)
+
+
+@pytest.mark.parametrize("stages,micro_batches,schedule,style", [(2, 2, "1F1B", "loss_fn"), (2, 2, "GPipe", "outputs"),
+                                                                  (1, 1, None, "loss_fn")])  # pipelines; DDP
+def test_training_in_eval_mode(pools, stages, micro_batches, schedule, style):
+    """model.eval() changes what BatchNorm computes (its running statistics, which stay as they are), not
+    whether gradients flow: trained in eval mode, as in one process."""
+    r = fidelity(pools, 2, "batchnorm", *returned(style), stages=stages, replicas=2 // stages,
+                 micro_batches=micro_batches, schedule=schedule, style=style, eval_modules=("",))
+    assert r["plan"][:3] == (stages, 2 // stages, micro_batches)
+
+
 @pytest.mark.parametrize("stages", [2, 1])  # a pipeline; DDP
 def test_model_that_returns_its_loss(pools, stages):
     """The loss comes back as the global batch's mean; the inputs' gradients are of each rank's own loss, as under

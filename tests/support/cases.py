@@ -130,7 +130,8 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
              lr_schedule: str | None = None, statistics_replicas: int = 1, roundtrip: dict | None = None,
              eval_batch: int | None = None, no_grad_batch: int | None = None, reduction: str = "mean",
              extra_rows: int = 0, build: str = "cpu", weights: str | None = None, init_fn: str | None = None,
-             load_at: int | None = None, **plan_args) -> dict:
+             load_at: int | None = None, eval_modules: tuple[str, ...] = (), eval_from: int = 0,
+             **plan_args) -> dict:
     """Train `steps` steps with partita and in one process; report the worst differences, the plans used and
     the global losses partita returned (as float.hex, to compare ranks bit for bit).
 
@@ -151,6 +152,8 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
         after building (model.apply), as a user initializing a model on the CPU does.
     load_at: before that step, both models load other weights and partita's optimizer the reference's state,
         whole state dicts through load_state_dict (see _SideBySide.load).
+    eval_modules: names of modules put in eval mode on both sides from step `eval_from` on, before its call
+        ("": the whole model, trained in eval mode; "bn1": a frozen BatchNorm in a training model).
     """
     if lr_schedule and roundtrip:
         raise ValueError("lr_schedule and roundtrip do not combine: the fresh run has no scheduler")
@@ -181,6 +184,10 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
     for step in range(steps):
         if step == load_at:
             side.load(pm, opt)
+        if step == eval_from:
+            for module in eval_modules:
+                model.get_submodule(module).eval()
+                ref.get_submodule(module).eval()
         side.step(pm, opt, sched, f"step {step}")
     side.compare_model(pm, opt)
     full = pm.state_dict()

@@ -1,12 +1,14 @@
 """Capture and split in one process: the stage chain computes what the model computes."""
 
+import copy
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
 from partita.capture.model_graph import model_graph
-from partita.capture.export import capture, flatten_call
+from partita.capture.export import Modes, capture, flatten_call
 from partita.capture.split import carry_stages, split, units
 from partita.errors import BatchError, CaptureError, PlanError
 from support.zoo import CASES
@@ -69,6 +71,22 @@ def test_eval_graph_maps_onto_the_training_plan():
     assert stages == sorted(stages) and set(stages) == {0, 1}
     out = run_stages(evaluation, split(evaluation, stages, 2), (x,), {})
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+
+
+def test_a_capture_keeps_each_modules_own_mode():
+    """A frozen BatchNorm in a training model (bn1.eval()) is captured in eval mode, and the capture's modes,
+    the key its runtime engine is kept under, say so."""
+    model = CASES["batchnorm"].make().train()
+    model.bn1.eval()
+    x = torch.randn(4, 16)
+    cap = capture(model, (x,), {})
+    modules = list(model.modules())
+    assert cap.modes == Modes.of(modules) == Modes(True, (modules.index(model.bn1),))
+    assert Modes.of(list(model.train().modules())) == Modes(True) != cap.modes
+    model.bn1.eval()
+    want = copy.deepcopy(model)(x)
+    out = run_stages(cap, split(cap, [0] * len(units(cap)), 1), (x,), {})
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 def test_graphs_record_the_users_lines_unless_counted_only_for_planning():

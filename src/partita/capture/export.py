@@ -55,6 +55,23 @@ class CallSignature:
         return pytree.tree_unflatten(leaves, self.in_spec)
 
 
+@dataclass(frozen=True)
+class Modes:
+    """The train/eval mode of every module of a model at a call, which decides what its capture computes
+    (dropout, BatchNorm's statistics): the model's own flag, and the modules whose flag differs from it (a
+    frozen BatchNorm in a training model), by their place in `model.modules()`. A key, cheap to take per call:
+    where the model's mode is every module's, it holds a bool and an empty tuple."""
+
+    training: bool
+    differing: tuple[int, ...] = ()
+
+    @staticmethod
+    def of(modules: list[nn.Module]) -> Modes:
+        """`modules`: the model's `modules()`, listed once (walking them again per call costs more)."""
+        top = modules[0].training
+        return Modes(top, tuple(i for i, m in enumerate(modules) if m.training != top))
+
+
 class _TensorSlot:
     def __repr__(self) -> str:
         return "<tensor>"
@@ -93,10 +110,10 @@ class _FlatCall(nn.Module):
 
 @dataclass
 class CapturedGraph:
-    """One mode's graph of the user's model, with parameters and buffers lifted to named inputs."""
+    """The graph of the user's model in one set of modes, with parameters and buffers lifted to named inputs."""
 
     gm: fx.GraphModule
-    training: bool
+    modes: Modes  # every module's train/eval mode as captured
     signature: CallSignature
     user_inputs: list[str]  # placeholder names of the call's tensors, in flat order
     module: nn.Module  # the user's model, which holds the parameters and buffers
@@ -159,7 +176,7 @@ def _example_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict, *, source_lines: bool = True) -> CapturedGraph:
-    """Capture `model(*args, **kwargs)` in the model's current train/eval mode.
+    """Capture `model(*args, **kwargs)` in the current train/eval mode of each of the model's modules.
 
     With `source_lines` each graph node records the user's line that made it, which the generated code of a
     stage shows in a traceback when it fails; a capture only counted for planning skips it (it is a tenth of
@@ -256,7 +273,7 @@ def _from_exported(ep, model: nn.Module, signature: CallSignature, examples: lis
         else:
             raise CaptureError(f"the captured graph has an output of kind {spec.kind.name}, not supported")
     cap = CapturedGraph(
-        gm=gm, training=model.training, signature=signature, user_inputs=user_inputs, module=model,
+        gm=gm, modes=Modes.of(list(model.modules())), signature=signature, user_inputs=user_inputs, module=model,
         constants=constants, fqn_of=fqn_of, parameters=parameters, outputs=outputs, out_spec=ep.call_spec.out_spec,
         examples=examples, buffer_updates=updates,
     )

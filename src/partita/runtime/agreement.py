@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import BackendConfig
 
 from partita import settings
-from partita.capture.export import CallSignature
+from partita.capture.export import CallSignature, Modes
 from partita.errors import BatchError, PartitaError, RankError, as_partita, first_error
 
 log = logging.getLogger("partita")
@@ -199,16 +199,17 @@ def start_agreeing(description: str, what: str, problem: BaseException | None = 
 
 
 def describe_call(tensors: list[torch.Tensor], target: torch.Tensor | None, signature: CallSignature | None, *,
-                  same_shapes: bool, training: bool) -> str:
-    """What every rank must say alike about a call: its structure, dtypes, mode and, where the runtime needs
-    the same shapes everywhere (a pipeline's stages), every size beyond the batch; under data parallelism the
-    ranks' sizes beyond the batch may differ (each pads its own sequences, say), as with DDP."""
+                  same_shapes: bool, modes: Modes) -> str:
+    """What every rank must say alike about a call: its structure, dtypes, the modules' train/eval modes and,
+    where the runtime needs the same shapes everywhere (a pipeline's stages), every size beyond the batch; under
+    data parallelism the ranks' sizes beyond the batch may differ (each pads its own sequences, say), as with
+    DDP."""
     shape = (lambda t: tuple(t.shape[1:])) if same_shapes else (lambda t: t.dim())
     shapes = [(shape(t), str(t.dtype), t.requires_grad) for t in tensors]
     if target is not None:
         shapes.append(("target", shape(target), str(target.dtype)))
     structure = signature.key[:2] if signature is not None else None
-    return f"{structure} {shapes} training={training} grad={torch.is_grad_enabled()}"
+    return f"{structure} {shapes} {modes} grad={torch.is_grad_enabled()}"
 
 
 def _same_inputs(what: str, after: str = "") -> str:

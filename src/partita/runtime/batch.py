@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from partita.capture.export import CallSignature
+from partita.capture.export import CallSignature, Modes
 from partita.errors import BatchError, PlanError
 from partita.runtime.agreement import Agreement
 
@@ -92,6 +92,7 @@ class Call:
     tensors: list[torch.Tensor]  # the tensors among them, flattened
     signature: CallSignature
     target: torch.Tensor | None  # with a loss function: what the loss compares the outputs to
+    modes: Modes  # the model's modules' train/eval modes at this call
     agreement: Agreement  # with every rank on this call, under way
 
     @property

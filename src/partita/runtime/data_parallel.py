@@ -14,7 +14,7 @@ from partita.plan.plan import Plan
 from partita.runtime.batch import Call, Loss, global_loss
 from partita.runtime.ownership import Ownership
 from partita.runtime.precision import as_captured, autocast
-from partita.runtime.run import Runtime, in_mode
+from partita.runtime.run import Runtime, as_trained
 
 
 class DataParallel(Runtime):
@@ -78,7 +78,7 @@ class DataParallel(Runtime):
         grads = [(p, p.grad) for p in self.module.parameters()]
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), in_mode(self.module, True), torch.enable_grad():
+        with torch.random.fork_rng(devices=devices), as_trained(self.module), torch.enable_grad():
             out = self.ddp(*call.args, **call.kwargs)
             leaves = [t for t in torch.utils._pytree.tree_leaves(out)
                       if isinstance(t, torch.Tensor) and t.requires_grad]

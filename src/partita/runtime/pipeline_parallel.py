@@ -6,8 +6,8 @@ gradient groups (its stage's replicas, and the union of stages for each tied wei
 one group per module, do not express. Where the plan shards a stage's parameters or gradients, FSDP sums its
 blocks' own gradients over the stage's replicas (`fully_sharded.py`), and partita those of tied weights.
 
-One `Engine` per kind of call (train or eval mode, call structure, which parameters require grad): each is a
-capture of the model split into the planned stages.
+One `Engine` per kind of call (the train/eval mode of every module, call structure, which parameters require
+grad): each is a capture of the model split into the planned stages.
 """
 
 from __future__ import annotations
@@ -56,16 +56,17 @@ class PipelineParallel(Runtime):
                               self._params_of_stages(plan.stages_of(rank)))
         # the autograd node every returned loss or output hangs from, so that backward reaches partita
         self.anchor = torch.zeros((), requires_grad=True)
-        # captured in train mode for planning: the engine of training calls with the first call's structure
+        # captured for planning, in training's modes: the engine of training calls with the first call's structure
         self._last = self._engine(cap, list(ownership.stage_of_unit))
-        self.engines = {(True, signature_key, self._requires_grad()): self._last}
+        self.engines = {(cap.modes, signature_key, self._requires_grad()): self._last}
         if optimizer is not None:
             self.keep_optimizer_state_here(optimizer)
 
     def __call__(self, call: Call):
         self.grads.follow_trained()
         engine = self._engine_for(call)
-        if self.loss is not None and self.module.training and torch.is_grad_enabled():
+        # eval mode changes what modules compute, not whether gradients flow: as in torch, grad mode decides
+        if self.loss is not None and torch.is_grad_enabled():
             return engine.train_step(call.tensors, call.target, self.loss, call.rows)
         return engine.forward(call.tensors, call.target, self.loss, torch.is_grad_enabled(), call.rows)
 
@@ -93,7 +94,7 @@ class PipelineParallel(Runtime):
 
     def _engine_for(self, call: Call) -> Engine:
         """The engine for this kind of call; another kind is captured again and cut where the plan cut."""
-        key = (self.module.training, call.signature.key, self._requires_grad())
+        key = (call.modes, call.signature.key, self._requires_grad())
         if key not in self.engines:
             cap = capture(self.module, call.args, call.kwargs)
             self.engines[key] = self._engine(

@@ -2,8 +2,8 @@
 
 Two call paths, chosen by the caller:
 
-- `train_step` (a loss function was given, training, grad enabled): rows go to the first stage, targets
-  to the last, torch's schedule runs forward and backward of every micro-batch at once. The parameter
+- `train_step` (a loss function was given, grad enabled, in train or eval mode): rows go to the first stage,
+  targets to the last, torch's schedule runs forward and backward of every micro-batch at once. The parameter
   gradients are held back and the global mean loss is returned; `loss.backward()` then adds them (times
   the gradient flowing into the loss) after summing them over the ranks that hold each parameter.
 - `forward`: every micro-batch forward now. Outputs go back to the rank whose rows they are (scalars, such
@@ -204,7 +204,7 @@ class Engine:
         local, micro_batch_rows = self._sizes(rows)
         p, plan = self.place, self.plan
         self._sync_buffers()
-        has_backward = grad and self.cap.training and loss is None
+        has_backward = grad and loss is None
         pipe = self._pipeline(micro_batch_rows, has_backward, None)
         inputs = self._gather_inputs(tensors)
         micro_batches = None

@@ -57,6 +57,18 @@ def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
             m.training = flag
 
 
+@contextlib.contextmanager
+def as_trained(model: nn.Module) -> Iterator[None]:
+    """The modes a training step runs the model in, for what plans and prepares training: the modules' own
+    while the model trains (a submodule the user put in eval mode, a frozen BatchNorm, stays in it), else
+    every module in train mode (the model is planned for training whatever mode its first call is in)."""
+    if model.training:
+        yield
+        return
+    with in_mode(model, True):
+        yield
+
+
 class Runtime:
     """Runs calls of the model under `plan` on this rank. Subclasses implement `__call__`."""
 
