@@ -789,9 +789,10 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
             pm(x.requires_grad_() if rank == 1 else x)
         elif scenario in ("sequence_lengths_differ", "sequence_lengths_differ_sharded"):
             seq = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 32))
-            # fine under DDP; data parallelism under FSDP's levels runs as a pipeline, which needs the same sizes
-            # on every rank (and measured costs may choose it for this model: DDP is pinned where wanted)
-            pm = partita.parallelize(seq, loss_fn=torch.nn.MSELoss(), stages=1,
+            # fine under DDP; data parallelism under FSDP's levels, or over several micro-batches, runs as a
+            # pipeline, which needs the same sizes on every rank (and measured costs may choose it for this model:
+            # DDP is pinned where wanted)
+            pm = partita.parallelize(seq, loss_fn=torch.nn.MSELoss(), stages=1, micro_batches=1,
                                      sharding="gradients" if scenario.endswith("sharded") else "none")
             pm(torch.randn(4, 5, 32), torch.randn(4, 5, 32)).backward()
             length = 5 if rank == 0 else 7
