@@ -63,6 +63,7 @@ class ParallelModule(nn.Module):
         self._parameter_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         self._modules_listed = list(model.modules())  # for each call's modes (`Modes.of`)
         self._optimizer_state_from: Path | None = None  # a checkpoint to load it from once the model holds its part
+        self._loss_scale_from: dict | None = None  # float16's, loaded before the first call made one
 
     @property
     def plan(self) -> Plan | None:
@@ -177,6 +178,9 @@ class ParallelModule(nn.Module):
         if self._optimizer_state_from is not None and self._optimizer is not None:
             load_optimizer_state(self, self._optimizer, self._optimizer_state_from)
         self._optimizer_state_from = None
+        if self._runtime.loss_scale is not None:
+            self._runtime.loss_scale.load_state_dict(self._loss_scale_from)
+        self._loss_scale_from = None
 
     def _build(self, plan: Plan, call: Call, initial: Initial) -> Runtime:
         """This rank's part of the model under `plan`, from the first call's capture (`call`: the one under way),
@@ -207,6 +211,23 @@ class ParallelModule(nn.Module):
             raise PlanError("resume_from is for a model before its first call; partita.load reads into it after")
         self._initial = dataclasses.replace(self._initial, weights=model_weights(checkpoint, self.module, strict=True))
         self._optimizer_state_from = checkpoint
+
+    def loss_scale_state(self) -> dict | None:
+        """float16's dynamic loss scale as a checkpoint keeps it; None in other precisions, and before the first
+        call unless one was loaded (the scale starts from its start then)."""
+        if self._runtime is not None:
+            return self._runtime.loss_scale.state_dict() if self._runtime.loss_scale is not None else None
+        return self._loss_scale_from
+
+    def load_loss_scale_state(self, state: dict | None) -> None:
+        """Go on from a loss scale a checkpoint kept (None: it kept none, and the scale starts over); at the
+        first call, where none is made yet. Other precisions scale nothing and ignore it."""
+        if self._request.constraints.precision not in SCALED:
+            return
+        if self._runtime is not None:
+            self._runtime.loss_scale.load_state_dict(state)
+        else:
+            self._loss_scale_from = state
 
     def held(self) -> Held | None:
         """What a checkpoint takes from this rank (None before the first call: then rank 0's copy is current)."""
