@@ -31,7 +31,7 @@ from partita.planning import Planned, PlanRequest, agreed_plan, agreed_switch, r
 from partita.runtime import agreement
 from partita.runtime.batch import Call, local_rows, loss_of, sizes_beyond_batch, split_target
 from partita.runtime.build import build_runtime
-from partita.runtime.materialize import Initial, InitFn, check_devices, initial_of
+from partita.runtime.materialize import Initial, InitFn, check_devices, initial_of, loaded_weights
 from partita.runtime.precision import SCALED, check_precision
 from partita.runtime.run import Held, Runtime, as_trained
 from partita.runtime.step_clock import Mark, StepClock, mark
@@ -260,14 +260,21 @@ class ParallelModule(nn.Module):
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a whole-model state dict (original names): each rank takes the tensors it holds (its shard of
-        those FSDP shards over replicas)."""
+        """Load a whole-model state dict (original names): each rank copies into the tensors it holds (its shard
+        of those FSDP shards over replicas). `assign=True` copies as well: the runtime, the optimizer and DDP
+        hold partita's tensors, and tensors assigned in their place would be trained by none of them. Before
+        the first call, a tensor on the meta device (a model built there) gets its value as the first call
+        materializes it."""
         if self._runtime is not None:
             state_dict = self._runtime.as_held(state_dict)
         with warnings.catch_warnings():
-            # the tensors of other ranks' stages are meta here: not copying into them is what is meant
+            # meta tensors are other ranks' stages' or, before the first call, get their values as it makes them
             warnings.filterwarnings("ignore", message=".*to a meta parameter in the current model, which is a no-op")
-            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+            result = self.module.load_state_dict(state_dict, strict=strict)
+        if self._runtime is None:
+            self._initial = dataclasses.replace(
+                self._initial, weights=loaded_weights(self.module, state_dict, self._initial.weights))
+        return result
 
     def get_param(self, name: str) -> torch.Tensor:
         """The current value of parameter `name` (original FQN), the same on every rank."""
