@@ -31,7 +31,7 @@ from partita.planning import Planned, PlanRequest, agreed_plan, agreed_switch, r
 from partita.runtime import agreement
 from partita.runtime.batch import Call, local_rows, loss_of, sizes_beyond_batch, split_target
 from partita.runtime.build import build_runtime
-from partita.runtime.materialize import Initial, InitFn, check_devices, initial_of
+from partita.runtime.materialize import Initial, InitFn, check_devices, initial_of, loaded_weights
 from partita.runtime.precision import SCALED, check_precision
 from partita.runtime.run import Held, Runtime, as_trained
 from partita.runtime.step_clock import Mark, StepClock, mark
@@ -63,6 +63,7 @@ class ParallelModule(nn.Module):
         self._parameter_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         self._modules_listed = list(model.modules())  # for each call's modes (`Modes.of`)
         self._optimizer_state_from: Path | None = None  # a checkpoint to load it from once the model holds its part
+        self._loss_scale_from: dict | None = None  # float16's, loaded before the first call made one
 
     @property
     def plan(self) -> Plan | None:
@@ -177,6 +178,9 @@ class ParallelModule(nn.Module):
         if self._optimizer_state_from is not None and self._optimizer is not None:
             load_optimizer_state(self, self._optimizer, self._optimizer_state_from)
         self._optimizer_state_from = None
+        if self._runtime.loss_scale is not None:
+            self._runtime.loss_scale.load_state_dict(self._loss_scale_from)
+        self._loss_scale_from = None
 
     def _build(self, plan: Plan, call: Call, initial: Initial) -> Runtime:
         """This rank's part of the model under `plan`, from the first call's capture (`call`: the one under way),
@@ -207,6 +211,23 @@ class ParallelModule(nn.Module):
             raise PlanError("resume_from is for a model before its first call; partita.load reads into it after")
         self._initial = dataclasses.replace(self._initial, weights=model_weights(checkpoint, self.module, strict=True))
         self._optimizer_state_from = checkpoint
+
+    def loss_scale_state(self) -> dict | None:
+        """float16's dynamic loss scale as a checkpoint keeps it; None in other precisions, and before the first
+        call unless one was loaded (the scale starts from its start then)."""
+        if self._runtime is not None:
+            return self._runtime.loss_scale.state_dict() if self._runtime.loss_scale is not None else None
+        return self._loss_scale_from
+
+    def load_loss_scale_state(self, state: dict | None) -> None:
+        """Go on from a loss scale a checkpoint kept (None: it kept none, and the scale starts over); at the
+        first call, where none is made yet. Other precisions scale nothing and ignore it."""
+        if self._request.constraints.precision not in SCALED:
+            return
+        if self._runtime is not None:
+            self._runtime.loss_scale.load_state_dict(state)
+        else:
+            self._loss_scale_from = state
 
     def held(self) -> Held | None:
         """What a checkpoint takes from this rank (None before the first call: then rank 0's copy is current)."""
@@ -239,14 +260,21 @@ class ParallelModule(nn.Module):
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a whole-model state dict (original names): each rank takes the tensors it holds (its shard of
-        those FSDP shards over replicas)."""
+        """Load a whole-model state dict (original names): each rank copies into the tensors it holds (its shard
+        of those FSDP shards over replicas). `assign=True` copies as well: the runtime, the optimizer and DDP
+        hold partita's tensors, and tensors assigned in their place would be trained by none of them. Before
+        the first call, a tensor on the meta device (a model built there) gets its value as the first call
+        materializes it."""
         if self._runtime is not None:
             state_dict = self._runtime.as_held(state_dict)
         with warnings.catch_warnings():
-            # the tensors of other ranks' stages are meta here: not copying into them is what is meant
+            # meta tensors are other ranks' stages' or, before the first call, get their values as it makes them
             warnings.filterwarnings("ignore", message=".*to a meta parameter in the current model, which is a no-op")
-            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+            result = self.module.load_state_dict(state_dict, strict=strict)
+        if self._runtime is None:
+            self._initial = dataclasses.replace(
+                self._initial, weights=loaded_weights(self.module, state_dict, self._initial.weights))
+        return result
 
     def get_param(self, name: str) -> torch.Tensor:
         """The current value of parameter `name` (original FQN), the same on every rank."""

@@ -89,6 +89,39 @@ def test_resume_a_model_built_on_the_meta_device(pools, saved_gpt, world, plan):
         assert r["info"]["rng_restored"] and r["draws"] == saved[rank]["draws"], f"rank {rank}"
 
 
+FP16_LAYOUTS = [({"stages": 1, "micro_batches": 1}, False, "cpu"), ({"stages": 2, "micro_batches": 2}, False, "cpu"),
+                ({"stages": 2, "micro_batches": 2}, True, "cpu"), ({"stages": 2, "micro_batches": 2}, False, "meta")]
+
+
+@pytest.mark.parametrize("plan,after_first_call,build", FP16_LAYOUTS,
+                         ids=["ddp", "2stages", "2stages-after-first-call", "2stages-meta-built"])
+def test_fp16_resumes_with_the_loss_scale_it_saved(pools, tmp_path, plan, after_first_call, build):
+    """float16 whose gradients overflowed before the save: the resumed run goes on from the saved loss scale,
+    skipping exactly the steps the uninterrupted run skipped, and ends with its weights, bit for bit."""
+    saved = pools.run(2, f"{CASE}:train_and_save", "loud_mlp", str(tmp_path), plan, steps=4, more=4,
+                      precision="fp16")
+    at_save, at_end = saved[0]["loss_scales"]
+    assert at_save[0] < 2.0 ** 16 and at_end != at_save, "the scale must move before and after the save"
+    loaded = pools.run(2, f"{CASE}:load_and_continue", "loud_mlp", str(tmp_path), plan, more=4,
+                       after_first_call=after_first_call, build=build, precision="fp16")
+    for rank, r in enumerate(loaded):
+        # a model built on the meta device makes one call (without gradients) before its snapshot
+        assert r["loss_scales"] == [at_save if after_first_call or build == "meta" else None, at_end], f"rank {rank}"
+        assert_same_state(r["snapshot"], saved[0]["snapshot"])
+        assert r["losses"] == saved[0]["losses"], f"rank {rank}"
+        assert_same_state(r["final"], saved[0]["final"])
+
+
+def test_fp16_loads_a_checkpoint_without_a_loss_scale(pools, tmp_path):
+    """A checkpoint that kept no loss scale (float32's, or one saved before partita kept it) loads into a float16
+    run, whose scale starts over as in a new job, also where the run's first step had moved it."""
+    pools.run(2, f"{CASE}:train_and_save", "loud_mlp", str(tmp_path), {"stages": 2, "micro_batches": 2})
+    loaded = pools.run(2, f"{CASE}:load_and_continue", "loud_mlp", str(tmp_path), {"stages": 2, "micro_batches": 2},
+                       after_first_call=True, precision="fp16")
+    for r in loaded:
+        assert r["info"]["step"] == 2 and r["loss_scales"][0] == (2.0 ** 16, 0), r
+
+
 def test_export_of_a_sharded_checkpoint_loads_into_the_plain_model(saved_gpt, tmp_path):
     from support.zoo import CASES
 

@@ -268,3 +268,17 @@ def test_state_dict_is_the_same_on_every_rank_with_batchnorm_statistics(pools, s
                         micro_batches=micro_batches)
     assert results[0]["plan"][:3] == (stages, replicas, micro_batches), results[0]["plan"]
     assert results[0]["state"] == results[1]["state"]
+
+
+@pytest.mark.parametrize("load_at,build", [(0, "cpu"), (1, "cpu"), (0, "meta")],
+                         ids=["before-the-first-call", "mid-training", "meta-built-before-the-first-call"])
+@pytest.mark.parametrize("plan", [{"stages": 1, "micro_batches": 1}, {"stages": 2, "micro_batches": 2},
+                                  {"stages": 1, "micro_batches": 1, "sharding": "parameters"}],
+                         ids=["ddp", "2stages", "fsdp"])
+def test_load_state_dict_with_assign_copies_into_the_tensors_partita_holds(pools, plan, load_at, build):
+    """model.load_state_dict(sd, assign=True), the idiom for models built on the meta device, loads what one
+    process loading sd does: partita copies into the tensors its runtime and the optimizer hold (a tensor
+    still meta before the first call takes its value when the first call makes it), and training follows."""
+    loaded = ("loaded param",) if build == "cpu" else ("initial",)
+    r = fidelity(pools, 2, "mlp", *loaded, load_at=load_at, assign=True, build=build, **plan)
+    assert r["plan"][:3] == (plan["stages"], 2 // plan["stages"], plan["micro_batches"])

@@ -130,8 +130,8 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
              lr_schedule: str | None = None, statistics_replicas: int = 1, roundtrip: dict | None = None,
              eval_batch: int | None = None, no_grad_batch: int | None = None, reduction: str = "mean",
              extra_rows: int = 0, build: str = "cpu", weights: str | None = None, init_fn: str | None = None,
-             load_at: int | None = None, eval_modules: tuple[str, ...] = (), eval_from: int = 0,
-             **plan_args) -> dict:
+             load_at: int | None = None, assign: bool = False, eval_modules: tuple[str, ...] = (),
+             eval_from: int = 0, **plan_args) -> dict:
     """Train `steps` steps with partita and in one process; report the worst differences, the plans used and
     the global losses partita returned (as float.hex, to compare ranks bit for bit).
 
@@ -151,7 +151,7 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
     init_fn: the name of an initialization in INIT_FNS: partita gets it as init_fn=, the reference applies it
         after building (model.apply), as a user initializing a model on the CPU does.
     load_at: before that step, both models load other weights and partita's optimizer the reference's state,
-        whole state dicts through load_state_dict (see _SideBySide.load).
+        whole state dicts through load_state_dict (see _SideBySide.load), partita's with `assign`.
     eval_modules: names of modules put in eval mode on both sides from step `eval_from` on, before its call
         ("": the whole model, trained in eval mode; "bn1": a frozen BatchNorm in a training model).
     """
@@ -183,7 +183,7 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
     sched = _scheduler(lr_schedule, opt)
     for step in range(steps):
         if step == load_at:
-            side.load(pm, opt)
+            side.load(pm, opt, assign)
         if step == eval_from:
             for module in eval_modules:
                 model.get_submodule(module).eval()
@@ -673,15 +673,17 @@ class _SideBySide:
             elif g != w:
                 self.diffs.fail(kind, f"{label} {pytree.keystr(path)}: {g!r}, want {w!r}")
 
-    def load(self, pm, opt) -> None:
-        """Mid-training, the model's weights from another build of it into both models, and the reference
-        optimizer's state into partita's, each state dict whole as a file gives it back (load_state_dict)."""
+    def load(self, pm, opt, assign: bool) -> None:
+        """The model's weights from another build of it into both models, and the reference optimizer's state
+        into partita's, each state dict whole as a file gives it back (load_state_dict). A model built on the
+        meta device holds its loaded values from its first call on, where the first step compares them."""
         torch.manual_seed(123)
         weights = _through_bytes(self.case.make().state_dict())
-        pm.load_state_dict(weights)
+        pm.load_state_dict(weights, assign=assign)
         self.ref.load_state_dict(weights)
         opt.load_state_dict(_through_bytes(self.ref_opt.state_dict()))
-        self.compare_model(pm, opt, "loaded ")
+        if pm.plan is not None or not any(p.is_meta for p in pm.module.parameters()):
+            self.compare_model(pm, opt, "loaded ")
 
     def compare_model(self, pm, opt, prefix: str = "") -> None:
         """Parameters and optimizer state, gathered by partita, against the reference's."""

@@ -6,6 +6,7 @@ another world size and plan must continue with the losses of the run that saved.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
@@ -21,6 +22,18 @@ from support.cases import _optimizer
 from support.zoo import CASES
 
 GLOBAL_BATCH = 16
+
+
+def _loud(batch):
+    def louder(n, g):
+        args, kwargs, target = batch(n, g)
+        return args, kwargs, 300 * target
+    return louder
+
+
+# the MLP with targets 300 times larger: under float16 its gradients overflow at the first loss scales, so the
+# scale moves in the first steps, and a run that started it over would skip steps the saving run took
+MODELS = {**CASES, "loud_mlp": dataclasses.replace(CASES["mlp"], batch=_loud(CASES["mlp"].batch))}
 
 
 def estimated_costs(case):
@@ -71,20 +84,27 @@ def _snapshot(pm, opt) -> dict:
     return {"model": model, "optim": optim, "groups": groups}
 
 
-def _model(name: str, plan: dict, seed: int, build: str = "cpu"):
-    case = CASES[name]
+def _loss_scale(pm) -> tuple[float, int] | None:
+    """float16's loss scale in use and its clean steps (None before the first call, and in other precisions)."""
+    scale = pm.runtime.loss_scale if pm.runtime is not None else None
+    return None if scale is None else (scale.scale, scale.clean_steps)
+
+
+def _model(name: str, plan: dict, seed: int, build: str = "cpu", precision: str = "fp32"):
+    case = MODELS[name]
     torch.manual_seed(seed)
     with torch.device(build):
         model = case.make()
     opt = _optimizer("adam", model)
-    return case, partita.parallelize(model, opt, loss_fn=case.loss_fn, **plan), opt
+    return case, partita.parallelize(model, opt, loss_fn=case.loss_fn, precision=precision, **plan), opt
 
 
 @estimated_costs
-def train_and_save(name: str, root: str, plan: dict, steps: int = 2, more: int = 2) -> dict:
+def train_and_save(name: str, root: str, plan: dict, steps: int = 2, more: int = 2,
+                   precision: str = "fp32") -> dict:
     """Train `steps` steps, save, and go on for `more` steps: what a resumed run must reproduce."""
     rank = partita.get_rank()
-    case, pm, opt = _model(name, plan, seed=0)
+    case, pm, opt = _model(name, plan, seed=0, precision=precision)
     for step in range(steps):
         _train_step(pm, opt, case, step)
     torch.manual_seed(100 + rank)  # every rank its own streams, so that restoring the wrong one shows
@@ -92,18 +112,19 @@ def train_and_save(name: str, root: str, plan: dict, steps: int = 2, more: int =
     np.random.seed(300 + rank)
     path = partita.save(pm, opt, root, step=steps, extra={"epoch": 1, "batch": steps, "files": ["a", "b"]})
     draws = _draws()
-    snapshot = _snapshot(pm, opt)
+    snapshot, loss_scale = _snapshot(pm, opt), _loss_scale(pm)
     losses = [_train_step(pm, opt, case, step) for step in range(steps, steps + more)]
-    return {"path": path, "snapshot": snapshot, "draws": draws, "losses": losses,
-            "writes": sorted(holding_of(pm).writes), "plan": (pm.plan.num_stages, pm.plan.num_replicas)}
+    return {"path": path, "snapshot": snapshot, "draws": draws, "losses": losses, "final": _snapshot(pm, opt),
+            "loss_scales": [loss_scale, _loss_scale(pm)], "writes": sorted(holding_of(pm).writes),
+            "plan": (pm.plan.num_stages, pm.plan.num_replicas)}
 
 
 @estimated_costs
 def load_and_continue(name: str, root: str, plan: dict, more: int = 2, after_first_call: bool = False,
-                      build: str = "cpu") -> dict:
+                      build: str = "cpu", precision: str = "fp32") -> dict:
     """A fresh model (other initial weights, or none: built on the meta device) and optimizer, loaded from
     `root`, then trained `more` steps."""
-    case, pm, opt = _model(name, plan, seed=123, build=build)
+    case, pm, opt = _model(name, plan, seed=123, build=build, precision=precision)
     if after_first_call:
         _train_step(pm, opt, case, 99)  # the plan is made and the optimizer has state, all to be replaced
     info = partita.load(pm, opt, root)
@@ -112,14 +133,15 @@ def load_and_continue(name: str, root: str, plan: dict, more: int = 2, after_fir
         args, target = _batch(case, 0)
         with torch.no_grad():
             pm(*args, target)
-    snapshot = _snapshot(pm, opt)
+    snapshot, loss_scale = _snapshot(pm, opt), _loss_scale(pm)
     losses = [_train_step(pm, opt, case, step) for step in range(info.step, info.step + more)]
     names = {id(p): n for n, p in pm.module.named_parameters()}
     local = sorted(pm.held().trains)
     return {"info": {"step": info.step, "extra": info.extra, "world_size": info.world_size,
                      "plan": (info.plan.num_stages, info.plan.num_replicas) if info.plan else None,
                      "rng_restored": info.rng_restored, "path": info.path},
-            "snapshot": snapshot, "draws": draws, "losses": losses,
+            "snapshot": snapshot, "draws": draws, "losses": losses, "final": _snapshot(pm, opt),
+            "loss_scales": [loss_scale, _loss_scale(pm)],
             "optimizer_state_of": sorted(names[id(p)] for p in opt.state), "trains": local,
             "plan": (pm.plan.num_stages, pm.plan.num_replicas)}
 

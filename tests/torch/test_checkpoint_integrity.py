@@ -324,3 +324,54 @@ def test_saving_a_value_that_needs_pickled_code_says_why_without_torchs_advice(t
     assert re.search(r"Unsupported global: GLOBAL \S*Opaque", message), message
     for advice in ADVICE:
         assert advice not in message, message
+
+
+class ScaledModel(torch.nn.Module):
+    """Stands in for a partita model computing in float16 before its first call (`checkpoint.holding.Partitioned`)."""
+
+    plan = None
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+        self.loaded = "nothing"
+
+    def held(self):
+        return None
+
+    def loss_scale_state(self):
+        return None
+
+    def load_loss_scale_state(self, state):
+        self.loaded = state
+
+    def resume_from(self, checkpoint):
+        raise AssertionError("a model on the CPU reads its weights at once")
+
+
+def forge_with_loss_scale(root: Path, latest: Path, model, value) -> Path:
+    """A checkpoint of `model` at step 7 holding `value` as float16's loss scale (and no checksums)."""
+    forged = root / "step-000007"
+    shutil.rmtree(forged, ignore_errors=True)
+    items = {f"model.{n}": t for n, t in model.state_dict().items()}
+    items.update(step=7, extra="{}", loss_scale=value)
+    dcp.save(items, storage_writer=dcp.FileSystemWriter(forged), no_dist=True,
+             planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
+    manifest = json.loads((latest / "manifest.json").read_text())
+    del manifest["checksums"]
+    (forged / "manifest.json").write_text(json.dumps(manifest))
+    return forged
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("value", [{"scale": -1.0, "clean_steps": 0}, {"scale": 8.0, "clean_steps": 2000},
+                                   {"scale": float("inf"), "clean_steps": 0}, {"scale": 8.0}, [8.0, 0]])
+def test_a_malformed_loss_scale_is_a_checkpoint_error(two_saved, value):
+    root, latest, model = two_saved
+    scaled = ScaledModel(CASES["tied_embedding"].make())
+    with pytest.raises(CheckpointError, match="is malformed: its 'loss_scale' is .*, not a float16 loss scale"):
+        partita.load(scaled, None, forge_with_loss_scale(root, latest, model, value))
+    assert scaled.loaded == "nothing"
+    good = {"scale": 8.0, "clean_steps": 3}
+    assert partita.load(scaled, None, forge_with_loss_scale(root, latest, model, good)).step == 7
+    assert scaled.loaded == good

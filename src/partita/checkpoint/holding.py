@@ -54,6 +54,15 @@ class Partitioned(Protocol):
 
     def held(self) -> Held | None: ...
 
+    def loss_scale_state(self) -> dict | None:
+        """float16's dynamic loss scale as a checkpoint keeps it (`LossScale.state_dict`); None where there is
+        none to keep."""
+        ...
+
+    def load_loss_scale_state(self, state: dict | None) -> None:
+        """Go on from a loss scale a checkpoint kept; None (it kept none) starts the scale over."""
+        ...
+
     def resume_from(self, checkpoint: Path) -> None:
         """Take the weights from this checkpoint (a step-* directory) as the first call materializes them, and
         the optimizer state once they exist (a model built on the meta device, loaded before its first call)."""

@@ -13,6 +13,7 @@ PARAM_GROUPS = "optim.param_groups"
 STEP = "step"
 EXTRA = "extra"
 RNG = "rng."
+LOSS_SCALE = "loss_scale"  # float16's, the same on every rank: rank 0 saves it
 
 
 def model(name: str) -> str:

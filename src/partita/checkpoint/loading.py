@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from partita.checkpoint.manifest import Manifest, read_manifest
 from partita.checkpoint.unpickling import UNREADABLE, CheckedReader, WeightsOnlyLoadPlanner, data_files, read_metadata
 from partita.errors import CheckpointError
 from partita.plan.plan import Plan
+from partita.runtime.precision import GROWTH_INTERVAL
 
 _SHOWN = 5  # names listed in an error before "..."
 
@@ -60,7 +62,8 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     model gets the saved weights, and the optimizer the state of the parameters this rank trains, with
     the saved hyperparameters (lr, betas, ...). Each rank r restores rank r's saved RNG states (torch,
     CUDA, Python's `random`, numpy); ranks beyond the saving job's world size keep their own, and
-    `rng_restored` says which happened.
+    `rng_restored` says which happened. A partita model computing in float16 goes on from the saved loss scale
+    (from its start where the checkpoint has none).
 
     Call it after `parallelize` and before or after the first call. Before the first call the plan is
     not known yet: every rank loads the whole optimizer state, as one process would, and the first call
@@ -136,6 +139,8 @@ def _prepare(model, optimizer, directory: Path, weights: bool = True) -> _Prepar
         targets[keys.STEP] = targets[keys.EXTRA] = None
         if keys.rng(holding.rank) in metadata.state_dict_metadata:
             targets[keys.rng(holding.rank)] = None
+        if isinstance(model, Partitioned) and keys.LOSS_SCALE in metadata.state_dict_metadata:
+            targets[keys.LOSS_SCALE] = None
     return _Prepared(directory, manifest, metadata, holding, targets, deferred)
 
 
@@ -171,6 +176,7 @@ def _some(names: list[str]) -> str:
 def _apply(model, prepared: _Prepared, optimizer) -> CheckpointInfo:
     """After DCP has read: model values that are not tensors, the optimizer, this rank's RNG; the info."""
     loaded, holding, manifest = prepared.targets, prepared.holding, prepared.manifest
+    loss_scale = _checked_loss_scale(loaded.get(keys.LOSS_SCALE), prepared.directory)
     plain = {k[len(keys.MODEL):]: v for k, v in loaded.items()
              if k.startswith(keys.MODEL) and not isinstance(v, torch.Tensor)}
     if plain:  # a module's get_extra_state(); tensors were read in place
@@ -179,6 +185,8 @@ def _apply(model, prepared: _Prepared, optimizer) -> CheckpointInfo:
         model.resume_from(prepared.directory)
     elif optimizer is not None:
         optimizer_state.apply(optimizer, first_names(holding.module), loaded)
+    if isinstance(model, Partitioned):  # a checkpoint without one (saved before partita kept it) starts it over
+        model.load_loss_scale_state(loss_scale)
     rng_key = keys.rng(holding.rank)
     if rng_key in loaded:
         rng.restore(loaded[rng_key])
@@ -186,3 +194,17 @@ def _apply(model, prepared: _Prepared, optimizer) -> CheckpointInfo:
         path=str(prepared.directory), step=int(loaded[keys.STEP]), extra=json.loads(loaded[keys.EXTRA]),
         world_size=manifest.world_size, plan=Plan.from_dict(manifest.plan) if manifest.plan else None,
         saved_at=manifest.saved_at, rng_restored=rng_key in loaded)
+
+
+def _checked_loss_scale(value, directory: Path) -> dict | None:
+    """float16's loss scale as saved (`LossScale.state_dict`), checked before the optimizer's state and the RNG
+    are applied."""
+    if value is None:
+        return None
+    scale, clean = (value.get("scale"), value.get("clean_steps")) if isinstance(value, dict) else (None, None)
+    if not (isinstance(scale, float) and math.isfinite(scale) and scale > 0 and isinstance(clean, int)
+            and not isinstance(clean, bool) and 0 <= clean < GROWTH_INTERVAL):
+        raise CheckpointError(f"{directory} is malformed: its {keys.LOSS_SCALE!r} is {value!r}, not a float16 loss "
+                              f"scale (a scale > 0 and 0 to {GROWTH_INTERVAL - 1} clean steps). Load another "
+                              "checkpoint.")
+    return value

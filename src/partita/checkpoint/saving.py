@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from partita.checkpoint import keys, layout, optimizer as optimizer_state, rng
 from partita.checkpoint.checksums import checksums_of
 from partita.checkpoint.collective import dcp_step, every_rank, from_rank0, together
-from partita.checkpoint.holding import Holding, holding_of
+from partita.checkpoint.holding import Holding, Partitioned, holding_of
 from partita.runtime.run import first_names
 from partita.checkpoint.manifest import Manifest, TensorEntry, plan_summary, write_manifest
 from partita.checkpoint.unpickling import METADATA, torch_refusal
@@ -27,7 +27,8 @@ from partita.errors import CheckpointError
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *, step: int,
          extra: dict | None = None, keep: int = 3) -> str:
-    """Save model, optimizer, step, RNG states and `extra` as checkpoint `path/step-<step>`; return its path.
+    """Save model, optimizer, step, RNG states, float16's loss scale and `extra` as checkpoint `path/step-<step>`;
+    return its path.
 
     Collective: every rank calls it with the same arguments. Each rank writes a share of the tensors it
     trains (torch.distributed.checkpoint; replicas split the writing), under the model's original names,
@@ -126,6 +127,10 @@ def _local_state(model, optimizer, step, extra, keep) -> tuple[Holding, dict]:
         state[keys.EXTRA] = json.dumps(extra or {})
         if optimizer is not None:
             state[keys.PARAM_GROUPS] = optimizer_state.param_groups_entry(optimizer, names)
+        # without it a resumed float16 run would start its scale over and skip steps the saving run took
+        loss_scale = model.loss_scale_state() if isinstance(model, Partitioned) else None
+        if loss_scale is not None:
+            state[keys.LOSS_SCALE] = loss_scale
     for key, value in state.items():
         if not isinstance(value, torch.Tensor) and key != keys.EXTRA:
             _check_plain(value, key)

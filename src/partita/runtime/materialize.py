@@ -58,6 +58,36 @@ class WeightReader(Protocol):
     def read(self, names: list[str], device: torch.device) -> dict[str, torch.Tensor]: ...
 
 
+class LoadedWeights:
+    """Values that load_state_dict got before the first call for tensors still on the meta device, which have no
+    memory to copy into yet: the first call takes them as it materializes each rank's part, converted to the
+    model's dtypes as a copy converts them, and the other names from `under` (weights=, an earlier load)."""
+
+    def __init__(self, values: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype], under: WeightReader | None):
+        self.values, self.dtypes, self.under = values, dtypes, under
+
+    def names(self) -> frozenset[str]:
+        return frozenset(self.values) | (self.under.names() if self.under is not None else frozenset())
+
+    def read(self, names: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        rest = [n for n in names if n not in self.values]
+        out = self.under.read(rest, device) if rest else {}
+        out.update((n, self.values[n].detach().to(device=device, dtype=self.dtypes[n], copy=True))
+                   for n in names if n in self.values)
+        return out
+
+
+def loaded_weights(module: nn.Module, state_dict, under: WeightReader | None) -> WeightReader | None:
+    """What the first call reads its initial values from once `state_dict` was loaded into `module` before it:
+    `state_dict`'s values of the module's meta tensors, over `under`."""
+    held = module.state_dict(keep_vars=True)
+    meta = {n: v for n, v in state_dict.items()
+            if isinstance(v, torch.Tensor) and isinstance(held.get(n), torch.Tensor) and held[n].is_meta}
+    if not meta:
+        return under
+    return LoadedWeights(meta, {n: held[n].dtype for n in meta}, under)
+
+
 @dataclass(frozen=True)
 class Initial:
     """Where a model's initial values come from, besides the tensors it holds."""

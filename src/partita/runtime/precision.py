@@ -103,6 +103,15 @@ class LossScale:
         self.clean_steps = 0
         self.scaled = False  # .grad holds gradients of the scaled loss
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of it: the scale and the clean steps counted toward its next doubling."""
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Go on from a `state_dict()`; None (a checkpoint that has none) starts over, as a new job does."""
+        self.scale, self.clean_steps = ((state["scale"], state["clean_steps"]) if state is not None
+                                        else (INITIAL_LOSS_SCALE, 0))
+
     def scaling(self, value):
         """`value` (any structure of tensors), whose gradients are multiplied by the scale on their way back."""
         return pytree.tree_map_only(torch.Tensor, lambda t: _Scaled.apply(t, self) if t.requires_grad else t,
