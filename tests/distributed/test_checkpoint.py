@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import pytest
 import torch
 
 import partita
-from partita.checkpoint import export, latest_checkpoint
+from partita.checkpoint import export, latest_checkpoint, layout
 from partita.checkpoint.unpickling import read_metadata
 
 CASE = "support.checkpoint_cases"
@@ -131,11 +133,19 @@ def test_keep_prunes_and_unfinished_saves_are_ignored_then_removed(pools, tmp_pa
     unfinished = tmp_path / "step-000002.tmp-deadbeef"  # a save of a later step that died mid-write
     unfinished.mkdir()
     (unfinished / "__0_0.distcp").write_bytes(b"\0" * 100)
+    (unfinished / layout.SAVING).write_text(socket.gethostname())  # the lock its process took, gone with it
+    live = tmp_path / "step-000009.tmp-0123abcd"  # another job's save in progress
+    live.mkdir()
+    lock = layout.SaveLock()
+    lock.take(live)
     assert latest_checkpoint(tmp_path) == str(tmp_path / "step-000001")
     assert pools.run(2, f"{CASE}:load_latest", "mlp", str(tmp_path)) == [1, 1]
-    paths = pools.run(2, f"{CASE}:save_steps", "mlp", str(tmp_path), [2, 3, 4], keep=2)[0]
+    try:
+        paths = pools.run(2, f"{CASE}:save_steps", "mlp", str(tmp_path), [2, 3, 4], keep=2)[0]
+    finally:
+        lock.release()
     assert not unfinished.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000003", "step-000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000003", "step-000004", live.name]
     assert latest_checkpoint(tmp_path) == paths[-1] == str(tmp_path / "step-000004")
 
 

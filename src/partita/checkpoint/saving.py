@@ -35,7 +35,8 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     (the data loader's position, an LR scheduler's state_dict(), ...). The checkpoint is written into a
     temporary directory and renamed into place when complete, then `path/latest` names it; unfinished
     saves never count, and the oldest checkpoints beyond the last `keep` are deleted. `path` must be on a
-    filesystem every rank sees.
+    filesystem every rank sees. A directory holds one training run: `keep` and `latest` count whichever job
+    saved there, but no save removes another's save in progress (`layout.remove_unfinished`).
 
     >>> import tempfile, torch, partita
     >>> net = torch.nn.Linear(4, 2)
@@ -49,18 +50,23 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     what = f"partita.save(path={str(path)!r}, step={step!r})"
     root = Path(path)
     holding, state = together(lambda: _local_state(model, optimizer, step, extra, keep), what)
-    tmp = from_rank0(lambda: _start(root, step), what)
-    together(lambda: _check_visible(tmp), what)
-    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False,
-                                 dedup_save_to_lowest_rank=False)  # one writer per tensor, balanced by bytes
-    writer = _NamingWriter(tmp)
-    dcp_step(lambda: dcp.save(state, storage_writer=writer, planner=planner, no_dist=not dist.is_initialized()),
-             what, "Writing the checkpoint failed (is the disk full, or the path not writable?); the last complete "
-             "checkpoint is untouched")
-    # each rank checksums the files it wrote, while they are still in the page cache
-    written = every_rank(lambda: checksums_of(tmp, writer.written), what)
-    checksums = {name: digest for part in written for name, digest in part.items()}
-    final = from_rank0(lambda: _finish(root, tmp, holding, optimizer, step, extra or {}, keep, checksums), what)
+    lock = layout.SaveLock()  # rank 0's, until the save ends either way
+    try:
+        tmp = from_rank0(lambda: _start(root, step, lock), what)
+        together(lambda: _check_visible(tmp), what)
+        planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False,
+                                     dedup_save_to_lowest_rank=False)  # one writer per tensor, balanced by bytes
+        writer = _NamingWriter(tmp)
+        dcp_step(lambda: dcp.save(state, storage_writer=writer, planner=planner, no_dist=not dist.is_initialized()),
+                 what, "Writing the checkpoint failed (is the disk full, or the path not writable?); the last "
+                 "complete checkpoint is untouched")
+        # each rank checksums the files it wrote, while they are still in the page cache
+        written = every_rank(lambda: checksums_of(tmp, writer.written), what)
+        checksums = {name: digest for part in written for name, digest in part.items()}
+        final = from_rank0(lambda: _finish(root, tmp, lock, holding, optimizer, step, extra or {}, keep, checksums),
+                           what)
+    finally:
+        lock.release()
     return str(final)
 
 
@@ -132,11 +138,12 @@ def _local_state(model, optimizer, step, extra, keep) -> tuple[Holding, dict]:
     return holding, state
 
 
-def _start(root: Path, step: int) -> Path:
+def _start(root: Path, step: int, lock: layout.SaveLock) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     layout.remove_unfinished(root)
     tmp = layout.temporary_dir(root, step)
     tmp.mkdir()
+    lock.take(tmp)
     return tmp
 
 
@@ -146,8 +153,8 @@ def _check_visible(tmp: Path) -> None:
                               "filesystem every rank shares (NFS, Lustre, a local disk on one node)")
 
 
-def _finish(root: Path, tmp: Path, holding: Holding, optimizer, step: int, extra: dict, keep: int,
-            checksums: dict[str, str]) -> Path:
+def _finish(root: Path, tmp: Path, lock: layout.SaveLock, holding: Holding, optimizer, step: int, extra: dict,
+            keep: int, checksums: dict[str, str]) -> Path:
     """Rank 0, after every rank's data and DCP's metadata are written: manifest (with the data files' checksums
     and that of `.metadata`), rename, `latest`, prune."""
     from partita import __version__
@@ -164,6 +171,7 @@ def _finish(root: Path, tmp: Path, holding: Holding, optimizer, step: int, extra
         param_groups=optimizer_state.group_names(optimizer, names) if optimizer is not None else (), extra=extra,
         checksums=checksums | checksums_of(tmp, [METADATA]))
     write_manifest(tmp, manifest)
+    lock.drop_file()
     layout.fsync_dir(tmp)
     final = root / layout.step_name(step)
     layout.commit(tmp, final)
