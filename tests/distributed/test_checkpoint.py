@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 
 import numpy as np
@@ -166,3 +167,24 @@ def test_errors_reach_every_rank(pools, tmp_path):
     results = pools.run(2, f"{CASE}:failures", "damaged", str(tmp_path))
     assert {r["error"] for r in results} == {"CheckpointError"} and results[0] == results[1]
     assert "__1_0.distcp is missing" in results[0]["message"]
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+@pytest.mark.parametrize("plan", [{"stages": 1}, {"stages": 2}], ids=["ddp", "pipeline"])
+def test_save_or_load_on_rank_0_only_is_an_error_on_every_rank_at_once(pools, tmp_path, call, plan):
+    """`if rank == 0: partita.save(...)` while rank 1 calls the model: both raise the same PartitaError, which says
+    that partita.save and partita.load are collective, within seconds (the process group's timeout is 30 s)."""
+    results = pools.run(2, f"{CASE}:on_rank0_only", call, str(tmp_path), plan)
+    assert {r["error"] for r in results} == {"PartitaError"}, results
+    assert results[0]["message"] == results[1]["message"].replace("seen on rank 1", "seen on rank 0")
+    message = results[0]["message"]
+    assert re.search(rf"rank 0 in partita\.{call}\(path=.* after \d+ calls of the model; rank 1 in call \d+ of the "
+                     "model", message), message
+    assert "are collective" in message and "not under `if rank == 0:`" in message, message
+    assert max(r["seconds"] for r in results) < 10, results
+
+
+def test_save_on_rank_0_only_while_rank_1_shuts_down(pools, tmp_path):
+    rank0, rank1 = pools.run(2, f"{CASE}:on_rank0_only", "save_then_shutdown", str(tmp_path), {"stages": 1})
+    assert rank0["error"] == "PartitaError" and "rank 1 in partita.shutdown() after" in rank0["message"], rank0
+    assert rank1["all_left"] is False and max(rank0["seconds"], rank1["seconds"]) < 10
