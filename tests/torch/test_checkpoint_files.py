@@ -291,3 +291,17 @@ def test_a_save_keeps_another_jobs_save_in_progress(tmp_path):
     assert other.returncode == 0, err
     assert out.strip() == str(root / "step-000020") and Path(mine) == root / "step-000010"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000010", "step-000020"]
+
+
+@pytest.mark.parametrize("extra, where, key", [
+    ({"rows_seen_by_rank": {0: 128, 1: 96}}, "extra['rows_seen_by_rank']", "0 (int)"),
+    ({"shards": [{"done": True}, {(1, 2): 3}]}, "extra['shards'][1]", "(1, 2) (tuple)"),
+    ({None: 1}, "extra", "None (NoneType)"),
+])
+def test_extra_with_keys_json_would_turn_into_strings_is_refused(tmp_path, extra, where, key):
+    """JSON turns dict keys into strings: {0: 128} would load as {'0': 128}, and .get(0) would silently miss."""
+    net = torch.nn.Linear(4, 2)
+    with pytest.raises(CheckpointError) as raised:
+        partita.save(net, torch.optim.SGD(net.parameters(), lr=0.1), tmp_path, step=1, extra=extra)
+    assert f"{where} has the key {key}" in str(raised.value) and "Use string keys" in str(raised.value)
+    assert latest_checkpoint(tmp_path) is None

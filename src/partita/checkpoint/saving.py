@@ -32,7 +32,8 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     Collective: every rank calls it with the same arguments. Each rank writes a share of the tensors it
     trains (torch.distributed.checkpoint; replicas split the writing), under the model's original names,
     so that any world size and plan can load it (`partita.load`). `extra` is a dict of plain JSON values
-    (the data loader's position, an LR scheduler's state_dict(), ...). The checkpoint is written into a
+    (the data loader's position, an LR scheduler's state_dict(), ...), with string keys only (JSON's: another
+    key is an error, since it would come back as a string; tuples come back as lists). The checkpoint is written into a
     temporary directory and renamed into place when complete, then `path/latest` names it; unfinished
     saves never count, and the oldest checkpoints beyond the last `keep` are deleted. `path` must be on a
     filesystem every rank sees. A directory holds one training run: `keep` and `latest` count whichever job
@@ -96,11 +97,29 @@ def _check_arguments(model, optimizer, step, extra, keep) -> None:
     if extra is not None:
         if not isinstance(extra, dict):
             raise CheckpointError(f"extra must be a dict of plain JSON values, got {type(extra).__name__}")
+        _check_keys(extra, "extra")
         try:
             json.dumps(extra, allow_nan=True)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"extra must hold plain JSON values (dict, list, str, int, float, bool, None): "
                                   f"{e}. Convert tensors with .tolist() and other objects to such values.") from None
+
+
+def _check_keys(value, where: str) -> None:
+    """JSON turns every dict key into a string: an int key would come back as another key, and `.get(0)` would
+    silently find nothing."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise CheckpointError(
+                    f"{where} has the key {key!r} ({type(key).__name__}): extra is saved as JSON, whose keys are "
+                    f"strings, so the key would not come back as it is (after loading, a lookup of {key!r} finds "
+                    f"nothing). Use string keys ({where}[{str(key)!r}]), or a list of pairs for a mapping from other "
+                    "values.")
+            _check_keys(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_keys(item, f"{where}[{i}]")
 
 
 def _check_plain(value, what: str) -> None:
