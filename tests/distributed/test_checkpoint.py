@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+import socket
+
 import numpy as np
 import pytest
 import torch
 
 import partita
-from partita.checkpoint import export, latest_checkpoint
+from partita.checkpoint import export, latest_checkpoint, layout
 from partita.checkpoint.unpickling import read_metadata
 
 CASE = "support.checkpoint_cases"
@@ -164,11 +167,19 @@ def test_keep_prunes_and_unfinished_saves_are_ignored_then_removed(pools, tmp_pa
     unfinished = tmp_path / "step-000002.tmp-deadbeef"  # a save of a later step that died mid-write
     unfinished.mkdir()
     (unfinished / "__0_0.distcp").write_bytes(b"\0" * 100)
+    (unfinished / layout.SAVING).write_text(socket.gethostname())  # the lock its process took, gone with it
+    live = tmp_path / "step-000009.tmp-0123abcd"  # another job's save in progress
+    live.mkdir()
+    lock = layout.SaveLock()
+    lock.take(live)
     assert latest_checkpoint(tmp_path) == str(tmp_path / "step-000001")
     assert pools.run(2, f"{CASE}:load_latest", "mlp", str(tmp_path)) == [1, 1]
-    paths = pools.run(2, f"{CASE}:save_steps", "mlp", str(tmp_path), [2, 3, 4], keep=2)[0]
+    try:
+        paths = pools.run(2, f"{CASE}:save_steps", "mlp", str(tmp_path), [2, 3, 4], keep=2)[0]
+    finally:
+        lock.release()
     assert not unfinished.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000003", "step-000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000003", "step-000004", live.name]
     assert latest_checkpoint(tmp_path) == paths[-1] == str(tmp_path / "step-000004")
 
 
@@ -189,3 +200,24 @@ def test_errors_reach_every_rank(pools, tmp_path):
     results = pools.run(2, f"{CASE}:failures", "damaged", str(tmp_path))
     assert {r["error"] for r in results} == {"CheckpointError"} and results[0] == results[1]
     assert "__1_0.distcp is missing" in results[0]["message"]
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+@pytest.mark.parametrize("plan", [{"stages": 1}, {"stages": 2}], ids=["ddp", "pipeline"])
+def test_save_or_load_on_rank_0_only_is_an_error_on_every_rank_at_once(pools, tmp_path, call, plan):
+    """`if rank == 0: partita.save(...)` while rank 1 calls the model: both raise the same PartitaError, which says
+    that partita.save and partita.load are collective, within seconds (the process group's timeout is 30 s)."""
+    results = pools.run(2, f"{CASE}:on_rank0_only", call, str(tmp_path), plan)
+    assert {r["error"] for r in results} == {"PartitaError"}, results
+    assert results[0]["message"] == results[1]["message"].replace("seen on rank 1", "seen on rank 0")
+    message = results[0]["message"]
+    assert re.search(rf"rank 0 in partita\.{call}\(path=.* after \d+ calls of the model; rank 1 in call \d+ of the "
+                     "model", message), message
+    assert "are collective" in message and "not under `if rank == 0:`" in message, message
+    assert max(r["seconds"] for r in results) < 10, results
+
+
+def test_save_on_rank_0_only_while_rank_1_shuts_down(pools, tmp_path):
+    rank0, rank1 = pools.run(2, f"{CASE}:on_rank0_only", "save_then_shutdown", str(tmp_path), {"stages": 1})
+    assert rank0["error"] == "PartitaError" and "rank 1 in partita.shutdown() after" in rank0["message"], rank0
+    assert rank1["all_left"] is False and max(rank0["seconds"], rank1["seconds"]) < 10

@@ -5,7 +5,8 @@ Cases that live elsewhere, with real processes too: a killed rank (test_run.py),
 (test_stopped_rank.py), SIGTERM / SIGUSR1 and kill -9 during training or during a save (test_elastic.py), damaged and
 crafted checkpoints (test_checkpoint_integrity.py, test_elastic_fallback.py, torch/test_checkpoint_files.py), bad
 PARTITA_* settings (test_bad_settings.py), more ranks on a node than GPUs (gpu/test_cuda.py, where CUDA is;
-unit/test_gpus.py here), and the same errors on every rank of a pool of processes (distributed/test_bad_input.py).
+unit/test_gpus.py here), the same errors on every rank of a pool of processes (distributed/test_bad_input.py), and
+partita.save or partita.load on rank 0 only (distributed/test_checkpoint.py).
 """
 
 import subprocess

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import os
 import random
+import time
 
 import numpy as np
 import torch
@@ -211,3 +212,29 @@ def trained(seed: int = 0):
     case.loss_fn(model(*args), target).backward()
     opt.step()
     return model, opt
+
+
+@estimated_costs
+def on_rank0_only(call: str, root: str, plan: dict) -> dict:
+    """torch's idiom `if rank == 0: torch.save(...)` applied to partita.save or partita.load (`call`), while
+    rank 1 goes on to its next call of the model; the error this rank raised and how long it took."""
+    from partita.runtime import agreement
+
+    rank = partita.get_rank()
+    case, pm, opt = _model("mlp", plan, seed=0)
+    _train_step(pm, opt, case, 0)
+    if call == "load":
+        partita.save(pm, opt, root, step=1)
+    started = time.monotonic()
+    try:
+        if rank == 0 and call in ("save", "save_then_shutdown"):
+            partita.save(pm, opt, root, step=2)
+        elif rank == 0 and call == "load":
+            partita.load(pm, opt, root)
+        elif call == "save_then_shutdown":
+            return {"all_left": agreement.leave(), "seconds": time.monotonic() - started}
+        else:
+            _train_step(pm, opt, case, 1)
+    except partita.PartitaError as e:
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - started}
+    return {"error": None}

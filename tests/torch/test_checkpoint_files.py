@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,56 @@ def test_docstring_examples():
 
     for module in (keys, layout, saving, loading, exporting):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+OTHER_JOB_SAVE = textwrap.dedent("""
+    import sys, time, pathlib, torch, partita
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    root, go = sys.argv[1], pathlib.Path(sys.argv[2])
+    write = FileSystemWriter.write_data
+
+    def wait_after_writing(self, plan, planner):  # a big checkpoint: its data takes a while to write
+        written = write(self, plan, planner)
+        while not go.exists():
+            time.sleep(0.05)
+        return written
+
+    FileSystemWriter.write_data = wait_after_writing
+    print(partita.save(torch.nn.Linear(4, 2), None, root, step=20))
+""")
+
+
+def test_a_save_keeps_another_jobs_save_in_progress(tmp_path):
+    """Two jobs save into one directory: the one that starts its save while the other writes leaves the other's
+    temporary directory alone, and both checkpoints are complete."""
+    script, root, go = tmp_path / "other_job.py", tmp_path / "ckpt", tmp_path / "go"
+    script.write_text(OTHER_JOB_SAVE)
+    other = subprocess.Popen([sys.executable, str(script), str(root), str(go)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 120
+        while not any(root.glob("step-000020.tmp-*/*.distcp")):
+            assert other.poll() is None and time.monotonic() < deadline, other.communicate()
+            time.sleep(0.05)
+        mine = partita.save(torch.nn.Linear(4, 2), None, root, step=10)
+    finally:
+        go.touch()
+        out, err = other.communicate(timeout=120)
+    assert other.returncode == 0, err
+    assert out.strip() == str(root / "step-000020") and Path(mine) == root / "step-000010"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000010", "step-000020"]
+
+
+@pytest.mark.parametrize("extra, where, key", [
+    ({"rows_seen_by_rank": {0: 128, 1: 96}}, "extra['rows_seen_by_rank']", "0 (int)"),
+    ({"shards": [{"done": True}, {(1, 2): 3}]}, "extra['shards'][1]", "(1, 2) (tuple)"),
+    ({None: 1}, "extra", "None (NoneType)"),
+])
+def test_extra_with_keys_json_would_turn_into_strings_is_refused(tmp_path, extra, where, key):
+    """JSON turns dict keys into strings: {0: 128} would load as {'0': 128}, and .get(0) would silently miss."""
+    net = torch.nn.Linear(4, 2)
+    with pytest.raises(CheckpointError) as raised:
+        partita.save(net, torch.optim.SGD(net.parameters(), lr=0.1), tmp_path, step=1, extra=extra)
+    assert f"{where} has the key {key}" in str(raised.value) and "Use string keys" in str(raised.value)
+    assert latest_checkpoint(tmp_path) is None

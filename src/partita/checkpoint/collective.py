@@ -1,7 +1,9 @@
 """Steps that every rank takes together, so that a problem found on one rank stops all of them at once.
 
 A rank that raised alone would leave the others waiting in the next collective until the process-group
-timeout; here each step's outcome is exchanged, and every rank raises the same CheckpointError.
+timeout; here each step's outcome is exchanged, and every rank raises the same CheckpointError. The exchange is
+a statement of the runtime's agreement (`agreement.state_step`), the same kind of collective as a model call's:
+a rank that meets another in a model call, or in another step, raises the same PartitaError at once.
 """
 
 from __future__ import annotations
@@ -14,21 +16,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from partita.errors import CheckpointError, PartitaError, RankError
+from partita.runtime import agreement
 
 T = TypeVar("T")
 
 
 def _distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _problem(problem: BaseException | None) -> RankError | None:
-    """This rank's problem as data for the other ranks."""
-    return None if problem is None else RankError.of(_rank(), problem)
 
 
 def _raise_for(problems: list[RankError | None], what: str, cause: BaseException | None) -> None:
@@ -63,31 +57,23 @@ def _all_gather(value) -> list:
 def together(step: Callable[[], T], what: str) -> T:
     """Run `step` on every rank; if it failed anywhere, raise the same CheckpointError everywhere."""
     result, problem = _attempt(step)
-    _raise_for(_all_gather(_problem(problem)), what, problem)
+    _raise_for(agreement.state_step(what, problem), what, problem)
     return result
 
 
 def every_rank(step: Callable[[], T], what: str) -> list[T]:
     """Run `step` on every rank; every rank gets every rank's result (picklable, in rank order), or the same
     CheckpointError if it failed anywhere."""
-    result, problem = _attempt(step)
-    pairs = _all_gather((result, _problem(problem)))
-    _raise_for([p for _, p in pairs], what, problem)
-    return [value for value, _ in pairs]
+    return _all_gather(together(step, what))
 
 
 def from_rank0(step: Callable[[], T], what: str) -> T:
     """Run `step` on rank 0 only; every rank gets its result, or raises its error."""
-    result = problem = None
-    if not _distributed() or dist.get_rank() == 0:
-        try:
-            result = step()
-        except Exception as e:  # noqa: BLE001 - reported to every rank below
-            problem = e
-    message = [result, _problem(problem)]
+    result, problem = _attempt(step) if not _distributed() or dist.get_rank() == 0 else (None, None)
+    _raise_for(agreement.state_step(what, problem), what, problem)
+    message = [result]
     if _distributed():
         dist.broadcast_object_list(message, src=0)
-    _raise_for([message[1]], what, problem)
     return message[0]
 
 

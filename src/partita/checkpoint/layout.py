@@ -4,22 +4,28 @@
       step-000120/             a complete checkpoint: DCP's files and manifest.json
       step-000130/
       latest                   "step-000130": the checkpoint saved last
-      step-000140.tmp-3f9a1c/  being written, or left by a save that died: never read, removed by the next save
+      step-000140.tmp-3f9a1c/  being written, or left by a save that died: never read; removed by a later save
+                               once surely abandoned (`remove_unfinished`)
       step-000110.skipped-9c2e41/  a checkpoint partita.elastic could not resume from: kept for inspection, never
                                read, counted or removed by partita
 
 A save writes into a temporary directory next to its target and renames it into place once every rank
 has finished (a rename within one directory is atomic), then replaces `latest` (a temporary file,
 fsync, os.replace). A save interrupted at any point leaves the previous checkpoint and `latest` as they
-were. Plain Python: no torch.
+were. While a save writes, its temporary directory holds `.partita-saving`, naming the host of the rank 0
+that holds an flock on it: another job saving into the same root keeps a save whose lock is held. Plain
+Python: no torch.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import secrets
 import shutil
+import socket
+import time
 from pathlib import Path
 
 from partita.checkpoint.manifest import MANIFEST, Manifest, read_manifest
@@ -28,6 +34,10 @@ from partita.errors import CheckpointError
 LATEST = "latest"
 TMP_MARK = ".tmp-"
 SKIPPED_MARK = ".skipped-"
+SAVING = ".partita-saving"
+# A live save writes its files, or waits at most PARTITA_TIMEOUT_S (300 s by default) for another rank, so a
+# temporary entry that nothing wrote into for this long is abandoned even where its lock tells nothing.
+STALE_S = 3600.0
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
@@ -54,16 +64,92 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def remove_unfinished(root: Path) -> list[Path]:
-    """Delete what interrupted saves left behind (names with `.tmp-`); return what was removed."""
+def remove_unfinished(root: Path, now: float | None = None) -> list[Path]:
+    """Delete what interrupted saves left behind (names with `.tmp-`) once surely abandoned; return what was removed.
+
+    Another job may be saving into the same root. An entry is abandoned when its `.partita-saving` lock was
+    taken on this host and no process holds it any more (the kernel drops an flock with its process: a save
+    killed or failed); or, where the lock tells nothing (taken on another host, whose locks a network
+    filesystem may not share; a filesystem without locks; not taken yet; older entries), when nothing in it was
+    written for STALE_S. Anything else is a save in progress and stays.
+    """
+    now = time.time() if now is None else now
     removed = []
     for entry in sorted(root.glob(f"*{TMP_MARK}*")):
+        try:
+            held = _lock_held(entry / SAVING) if entry.is_dir() else None
+            if held or (held is None and now - _last_write(entry) <= STALE_S):
+                continue
+        except FileNotFoundError:
+            continue  # its save finished or another cleaner removed it meanwhile
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
         else:
             entry.unlink(missing_ok=True)
         removed.append(entry)
     return removed
+
+
+def _lock_held(lock: Path) -> bool | None:
+    """Whether a process holds the save lock `lock`; None where that cannot be told from here."""
+    try:
+        # opened for writing: NFS emulates flock with POSIX locks, whose exclusive kind needs it
+        with open(lock, "r+") as f:
+            if f.read().strip() != socket.gethostname():
+                return None
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False  # closing the file releases the lock just taken
+    except OSError:  # no lock file (yet, or any more), another user's, or a filesystem without locks
+        return None
+
+
+def _last_write(entry: Path) -> float:
+    """When anything in `entry` (a file, or a directory and its files: DCP writes them flat) last changed."""
+    times = [entry.lstat().st_mtime]
+    if entry.is_dir() and not entry.is_symlink():
+        for child in entry.iterdir():
+            try:
+                times.append(child.lstat().st_mtime)
+            except FileNotFoundError:
+                continue
+    return max(times)
+
+
+class SaveLock:
+    """Rank 0's claim on the temporary directory of its save: while it is held, `remove_unfinished` in any
+    process on this host leaves the directory alone."""
+
+    def __init__(self):
+        self._file = None
+        self._lock: Path | None = None
+
+    def take(self, tmp: Path) -> None:
+        # locked under another name, then renamed into place: a cleaner never finds the lock file unheld
+        part = tmp / f"{SAVING}.part"
+        self._file = open(part, "w")
+        self._file.write(socket.gethostname() + "\n")
+        self._file.flush()
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass  # a filesystem without locks: the directory's age alone tells others whether it is abandoned
+        os.rename(part, tmp / SAVING)
+        self._lock = tmp / SAVING
+
+    def drop_file(self) -> None:
+        """Remove the lock file before the directory becomes a checkpoint; the lock stays held until `release`
+        (in between, the directory's fresh change keeps cleaners away)."""
+        if self._lock is not None:
+            self._lock.unlink(missing_ok=True)
+            self._lock = None
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def is_checkpoint(directory: Path) -> bool:

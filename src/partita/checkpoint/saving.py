@@ -33,10 +33,12 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     Collective: every rank calls it with the same arguments. Each rank writes a share of the tensors it
     trains (torch.distributed.checkpoint; replicas split the writing), under the model's original names,
     so that any world size and plan can load it (`partita.load`). `extra` is a dict of plain JSON values
-    (the data loader's position, an LR scheduler's state_dict(), ...). The checkpoint is written into a
+    (the data loader's position, an LR scheduler's state_dict(), ...), with string keys only (JSON's: another
+    key is an error, since it would come back as a string; tuples come back as lists). The checkpoint is written into a
     temporary directory and renamed into place when complete, then `path/latest` names it; unfinished
     saves never count, and the oldest checkpoints beyond the last `keep` are deleted. `path` must be on a
-    filesystem every rank sees.
+    filesystem every rank sees. A directory holds one training run: `keep` and `latest` count whichever job
+    saved there, but no save removes another's save in progress (`layout.remove_unfinished`).
 
     >>> import tempfile, torch, partita
     >>> net = torch.nn.Linear(4, 2)
@@ -50,18 +52,23 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     what = f"partita.save(path={str(path)!r}, step={step!r})"
     root = Path(path)
     holding, state = together(lambda: _local_state(model, optimizer, step, extra, keep), what)
-    tmp = from_rank0(lambda: _start(root, step), what)
-    together(lambda: _check_visible(tmp), what)
-    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False,
-                                 dedup_save_to_lowest_rank=False)  # one writer per tensor, balanced by bytes
-    writer = _NamingWriter(tmp)
-    dcp_step(lambda: dcp.save(state, storage_writer=writer, planner=planner, no_dist=not dist.is_initialized()),
-             what, "Writing the checkpoint failed (is the disk full, or the path not writable?); the last complete "
-             "checkpoint is untouched")
-    # each rank checksums the files it wrote, while they are still in the page cache
-    written = every_rank(lambda: checksums_of(tmp, writer.written), what)
-    checksums = {name: digest for part in written for name, digest in part.items()}
-    final = from_rank0(lambda: _finish(root, tmp, holding, optimizer, step, extra or {}, keep, checksums), what)
+    lock = layout.SaveLock()  # rank 0's, until the save ends either way
+    try:
+        tmp = from_rank0(lambda: _start(root, step, lock), what)
+        together(lambda: _check_visible(tmp), what)
+        planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False,
+                                     dedup_save_to_lowest_rank=False)  # one writer per tensor, balanced by bytes
+        writer = _NamingWriter(tmp)
+        dcp_step(lambda: dcp.save(state, storage_writer=writer, planner=planner, no_dist=not dist.is_initialized()),
+                 what, "Writing the checkpoint failed (is the disk full, or the path not writable?); the last "
+                 "complete checkpoint is untouched")
+        # each rank checksums the files it wrote, while they are still in the page cache
+        written = every_rank(lambda: checksums_of(tmp, writer.written), what)
+        checksums = {name: digest for part in written for name, digest in part.items()}
+        final = from_rank0(lambda: _finish(root, tmp, lock, holding, optimizer, step, extra or {}, keep, checksums),
+                           what)
+    finally:
+        lock.release()
     return str(final)
 
 
@@ -91,11 +98,29 @@ def _check_arguments(model, optimizer, step, extra, keep) -> None:
     if extra is not None:
         if not isinstance(extra, dict):
             raise CheckpointError(f"extra must be a dict of plain JSON values, got {type(extra).__name__}")
+        _check_keys(extra, "extra")
         try:
             json.dumps(extra, allow_nan=True)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"extra must hold plain JSON values (dict, list, str, int, float, bool, None): "
                                   f"{e}. Convert tensors with .tolist() and other objects to such values.") from None
+
+
+def _check_keys(value, where: str) -> None:
+    """JSON turns every dict key into a string: an int key would come back as another key, and `.get(0)` would
+    silently find nothing."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise CheckpointError(
+                    f"{where} has the key {key!r} ({type(key).__name__}): extra is saved as JSON, whose keys are "
+                    f"strings, so the key would not come back as it is (after loading, a lookup of {key!r} finds "
+                    f"nothing). Use string keys ({where}[{str(key)!r}]), or a list of pairs for a mapping from other "
+                    "values.")
+            _check_keys(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_keys(item, f"{where}[{i}]")
 
 
 def _check_plain(value, what: str) -> None:
@@ -137,11 +162,12 @@ def _local_state(model, optimizer, step, extra, keep) -> tuple[Holding, dict]:
     return holding, state
 
 
-def _start(root: Path, step: int) -> Path:
+def _start(root: Path, step: int, lock: layout.SaveLock) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     layout.remove_unfinished(root)
     tmp = layout.temporary_dir(root, step)
     tmp.mkdir()
+    lock.take(tmp)
     return tmp
 
 
@@ -151,8 +177,8 @@ def _check_visible(tmp: Path) -> None:
                               "filesystem every rank shares (NFS, Lustre, a local disk on one node)")
 
 
-def _finish(root: Path, tmp: Path, holding: Holding, optimizer, step: int, extra: dict, keep: int,
-            checksums: dict[str, str]) -> Path:
+def _finish(root: Path, tmp: Path, lock: layout.SaveLock, holding: Holding, optimizer, step: int, extra: dict,
+            keep: int, checksums: dict[str, str]) -> Path:
     """Rank 0, after every rank's data and DCP's metadata are written: manifest (with the data files' checksums
     and that of `.metadata`), rename, `latest`, prune."""
     from partita import __version__
@@ -169,6 +195,7 @@ def _finish(root: Path, tmp: Path, holding: Holding, optimizer, step: int, extra
         param_groups=optimizer_state.group_names(optimizer, names) if optimizer is not None else (), extra=extra,
         checksums=checksums | checksums_of(tmp, [METADATA]))
     write_manifest(tmp, manifest)
+    lock.drop_file()
     layout.fsync_dir(tmp)
     final = root / layout.step_name(step)
     layout.commit(tmp, final)

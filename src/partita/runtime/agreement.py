@@ -5,9 +5,12 @@ calling the model would leave the others waiting until the process group times o
 ending in gloo's bare "Timed out waiting". So every call of a parallelized model starts with one small
 all-reduce that tells whether every rank says the same: what it is doing (calling, leaving, failing), its local
 rows and its call's structure. `partita.shutdown()` takes part too, once this process parallelized a model: a
-rank that stops early is found at the others' next call. Anything but agreement leads to one more exchange, of
-every rank's whole statement (with how many calls it made), and every rank raises the same error naming the
-rank and the cause, or, for rows that differ, gets every rank's rows.
+rank that stops early is found at the others' next call. Each step of partita's other collective calls
+(partita.save, partita.load: `state_step`) is a statement too, saying where the rank is: a rank that saves while
+another calls the model (`if rank == 0: partita.save(...)`) is found at once, rather than each waiting in a
+collective the other never joins. Anything but agreement leads to one more exchange, of every rank's whole
+statement (with how many calls it made), and every rank raises the same error naming the rank and the cause,
+or, for rows that differ, gets every rank's rows.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ class State(enum.IntEnum):
     FAILING = 2
 
 
+MODEL_CALL = "a call of the model"
+SHUTDOWN = "partita.shutdown()"
+
+
 @dataclass(frozen=True)
 class _Said:
     """What one rank said."""
@@ -44,6 +51,7 @@ class _Said:
     rows: int
     text: str  # what it is doing, or, failing, its error's text
     error: RankError | None = None  # failing: its error, as data
+    where: str = MODEL_CALL  # the collective call it is in: the model's, partita.shutdown() or a step of another
 
 
 _calls = 0  # calls of parallelized models this process made: the step count a rank that leaves reports
@@ -94,18 +102,20 @@ class _Posted:
     rows: int
     text: str
     error: RankError | None
+    where: str
     calls: int  # the calls of parallelized models this process had made
     extremes: torch.Tensor
     work: dist.Work
 
 
-def _post(state: State, rows: int, text: str, error: RankError | None = None) -> _Posted:
+def _post(state: State, rows: int, text: str, error: RankError | None = None, where: str = MODEL_CALL) -> _Posted:
     """Start telling every rank this statement. The common case (every rank says the same) costs one all-reduce
-    of two int64s: the largest and the negated smallest digest of (state, rows, text) are equal only if every
-    rank's is the same. (gloo's all-gather of four int64s took 4 ms on 4 ranks sharing 2 cores, this 1.1 ms.)"""
-    word = _digest(f"{int(state)} {rows} {text}")
+    of two int64s: the largest and the negated smallest digest of (state, rows, where, text) are equal only if
+    every rank's is the same. (gloo's all-gather of four int64s took 4 ms on 4 ranks sharing 2 cores, this
+    1.1 ms.)"""
+    word = _digest(f"{int(state)} {rows} {where} {text}")
     extremes = torch.tensor([word, -word], dtype=torch.int64)
-    return _Posted(state, rows, text, error, _calls, extremes,
+    return _Posted(state, rows, text, error, where, _calls, extremes,
                    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=cpu_group(), async_op=True))
 
 
@@ -114,15 +124,55 @@ def _said(posted: _Posted) -> list[_Said]:
     exchange, of every rank's whole statement."""
     posted.work.wait()
     if int(posted.extremes[0]) == -int(posted.extremes[1]):
-        return [_Said(posted.state, -1, posted.rows, posted.text, posted.error)] * dist.get_world_size()
+        return [_Said(posted.state, -1, posted.rows, posted.text, posted.error, posted.where)] * dist.get_world_size()
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (int(posted.state), posted.calls, posted.rows, posted.text, posted.error),
-                           group=cpu_group())
-    return [_Said(State(s), calls, r, t, e) for s, calls, r, t, e in every]
+    dist.all_gather_object(every, (int(posted.state), posted.calls, posted.rows, posted.text, posted.error,
+                                   posted.where), group=cpu_group())
+    return [_Said(State(s), calls, r, t, e, w) for s, calls, r, t, e, w in every]
 
 
-def _exchange(state: State, rows: int, text: str, error: RankError | None = None) -> list[_Said]:
-    return _said(_post(state, rows, text, error))
+def _exchange(state: State, rows: int, text: str, error: RankError | None = None,
+              where: str = MODEL_CALL) -> list[_Said]:
+    return _said(_post(state, rows, text, error, where))
+
+
+def _elsewhere(said: list[_Said], rank: int) -> str | None:
+    """Why the job cannot go on when ranks are in different collective calls (a model call against a shutdown
+    is `_left_early`'s case)."""
+    places = {s.where for s in said}
+    if len(places) == 1 or places == {MODEL_CALL, SHUTDOWN}:
+        return None
+    groups: dict[str, list[int]] = {}
+    for r, s in enumerate(said):
+        at = f"call {s.calls + 1} of the model" if s.where == MODEL_CALL else \
+            f"{s.where} after {s.calls} calls of the model"
+        groups.setdefault(at, []).append(r)
+    detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} in {at}"
+                       for at, rs in groups.items())
+    return (f"the ranks are in different collective calls: {detail} (seen on rank {rank}). partita.save and "
+            "partita.load are collective, as a call of the model is: call them on every rank, at the same point "
+            "of the script and with the same arguments, not under `if rank == 0:` (every rank writes, and reads, "
+            "its share of the checkpoint)")
+
+
+def state_step(where: str, problem: BaseException | None) -> list[RankError | None]:
+    """A step of partita's own collective calls (partita.save, partita.load) that every rank takes: each says it
+    is at `where` and whether it failed there (`problem`). Returns every rank's error (None for a rank that did
+    not fail) once all ranks are at `where`; a rank elsewhere (calling the model, in another step, leaving)
+    makes every rank raise the same PartitaError at once."""
+    if _single():
+        return [None if problem is None else RankError.of(0, problem)]
+    rank = dist.get_rank()
+    if problem is None:
+        said = _exchange(State.CALLING, 0, "", None, where)
+    else:
+        # the failing rank's text names it: ranks that failed alike still exchange their errors, each with its rank
+        error = RankError.of(rank, problem)
+        said = _exchange(State.FAILING, 0, f"rank {rank}: {error.kind}: {error.message}", error, where)
+    why = _elsewhere(said, rank)
+    if why is not None:
+        raise PartitaError(why) from problem
+    return [s.error for s in said]
 
 
 def _left_early(said: list[_Said], rank: int) -> str | None:
@@ -166,7 +216,8 @@ class Agreement:
 
     def _verdict(self, said: list[_Said]) -> tuple[int, ...]:
         rank = dist.get_rank()
-        error = first_error([s.error for s in said], len(said))
+        why = _elsewhere(said, rank)
+        error = PartitaError(why) if why else first_error([s.error for s in said], len(said))
         if error is None and (why := _left_early(said, rank)):
             error = PartitaError(why)
         if error is None and len({s.text for s in said}) > 1:
@@ -261,8 +312,8 @@ def leave() -> bool:
     an error naming this rank; this one logs it and must not wait for them in a barrier)."""
     if _single():
         return True
-    said = _exchange(State.LEAVING, 0, "leaving")
-    why = _left_early(said, dist.get_rank())
+    said = _exchange(State.LEAVING, 0, "leaving", where=SHUTDOWN)
+    why = _elsewhere(said, dist.get_rank()) or _left_early(said, dist.get_rank())
     if why is not None:
         log.error("partita: %s", why)
         return False
