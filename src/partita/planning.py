@@ -7,8 +7,8 @@ Once the job measured its own steps (`runtime.step_clock`), rank 0 reviews the p
 rank learns at the same call whether the job switches to a faster layout (`agreed_switch`; the move itself is
 `checkpoint.relayout`). It keeps its layout, and rank 0 names the faster one's arguments instead, where a switch
 could not be exact or has nowhere to go through: PARTITA_SWITCH_LAYOUT=off; ranks on several nodes (no directory
-is known to be shared); float16 (its loss scale would start over); gradients held from an earlier call
-(accumulated over calls, which the switch would drop).
+is known to be shared); gradients held from an earlier call (accumulated over calls, which the switch would drop).
+float16's loss scale goes through the checkpoint with the rest.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from partita.plan.plan import PRECISION_DTYPES
 from partita.profile import OptimizerKind, Parallelize, device_spec, measure
 from partita.runtime import agreement
 from partita.runtime.optim import optimizer_state_factor
-from partita.runtime.precision import DTYPES, SCALED
+from partita.runtime.precision import DTYPES
 from partita.runtime.state import local_part
 from partita.runtime.step_clock import MEASURED_STEPS
 
@@ -269,8 +269,6 @@ def _why_kept(enabled: bool, world: env.World, plan: Plan, faster: Plan, holding
     if world.num_nodes > 1:
         return (f"its ranks are on {world.num_nodes} nodes, and partita knows of no directory they all see to move "
                 "the model through")
-    if plan.precision in SCALED:
-        return f"under {plan.precision}, the loss scale would start over in another layout"
     if holding_gradients:
         ranks = ", ".join(map(str, holding_gradients))
         return (f"rank{'s' if len(holding_gradients) > 1 else ''} {ranks} hold gradients from an earlier call "

@@ -99,3 +99,14 @@ def test_a_switch_that_made_the_steps_slower_is_undone(pools):
                     r"faster \(stages=1, micro_batches=1, schedule='GPipe', sharding='none'\)\. Switching to it$",
                     undone), undone
     assert results[1]["said"] == []
+
+
+def test_a_float16_job_switches_with_its_loss_scale(pools):
+    """The loss scale and its clean steps toward the next doubling go on through the switch (a scale that started
+    over would count its clean steps from the switch)."""
+    results = pools.run(2, "support.cases:layout_switch_fp16")
+    for r in results:
+        switched = [i for i in range(1, len(r["plans"])) if r["plans"][i] != r["plans"][i - 1]]
+        assert len(switched) == 1, f"switched at steps {switched}"
+        assert [s["clean_steps"] for s in r["scales"]] == list(range(1, len(r["scales"]) + 1)), r["scales"]
+        assert {s["scale"] for s in r["scales"]} == {2.0 ** 16}, r["scales"]

@@ -963,6 +963,27 @@ def layout_switch(optimizer: str, steps: int = 12, switch: str = "on", delay_s: 
             "said": [s for s in said if "a training step takes" in s or s.startswith("partita: ")]}
 
 
+@mock.patch.dict(os.environ, {"PARTITA_SWITCH_LAYOUT": "on"})
+def layout_switch_fp16(steps: int = 12) -> dict:
+    """The MLP in float16 with a slow loss (as layout_switch): per step, the plan and the loss scale's state."""
+    case = CASES["mlp"]
+    torch.manual_seed(0)
+    model = case.make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    pm = partita.parallelize(model, opt, loss_fn=_SlowLoss(case.loss_fn, 0.05), precision="fp16", sharding="none")
+    rank, world, local_batch = partita.get_rank(), partita.get_world_size(), 8
+    plans, scales = [], []
+    for step in range(steps):
+        args, kwargs, target = case.batch(world * local_batch, torch.Generator().manual_seed(step))
+        mine = slice(rank * local_batch, (rank + 1) * local_batch)
+        opt.zero_grad()
+        pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine)).backward()
+        opt.step()
+        plans.append(pm.plan.to_json())
+        scales.append(pm.loss_scale_state())
+    return {"plans": plans, "scales": scales}
+
+
 @mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate", "PARTITA_SWITCH_LAYOUT": "on"})
 def layout_switch_with_varying_sizes(steps: int = 10) -> dict:
     """The embedding model under DDP with a slow loss (as layout_switch), its sequences 5 and 7 tokens long in
