@@ -76,6 +76,20 @@ def test_load_round_trip_in_one_process(saved):
         assert torch.equal(fresh.state_dict()[name], value), name
 
 
+def test_saving_a_model_built_on_meta_before_its_first_call_says_why_not(saved, tmp_path):
+    """Its tensors get their values at the first call (here from the checkpoint loaded before it)."""
+    root, _, _ = saved
+    case = CASES["tied_embedding"]
+    with torch.device("meta"):
+        meta = case.make()
+    opt = torch.optim.Adam(meta.parameters())
+    pm = partita.parallelize(meta, opt, loss_fn=case.loss_fn)
+    partita.load(pm, opt, root)
+    with pytest.raises(CheckpointError, match=r"on the meta device: .*Save after the model's first call"):
+        partita.save(pm, opt, tmp_path, step=6)
+    partita.shutdown()
+
+
 def test_malicious_metadata_is_refused_without_running_it(saved, tmp_path):
     root, path, _ = saved
     marker = tmp_path / "pwned"

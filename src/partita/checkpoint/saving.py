@@ -34,8 +34,8 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     trains (torch.distributed.checkpoint; replicas split the writing), under the model's original names,
     so that any world size and plan can load it (`partita.load`). `extra` is a dict of plain JSON values
     (the data loader's position, an LR scheduler's state_dict(), ...), with string keys only (JSON's: another
-    key is an error, since it would come back as a string; tuples come back as lists). The checkpoint is written into a
-    temporary directory and renamed into place when complete, then `path/latest` names it; unfinished
+    key is an error, since it would come back as a string; tuples come back as lists). The checkpoint is written
+    into a temporary directory and renamed into place when complete, then `path/latest` names it; unfinished
     saves never count, and the oldest checkpoints beyond the last `keep` are deleted. `path` must be on a
     filesystem every rank sees. A directory holds one training run: `keep` and `latest` count whichever job
     saved there, but no save removes another's save in progress (`layout.remove_unfinished`).
@@ -157,6 +157,11 @@ def _local_state(model, optimizer, step, extra, keep) -> tuple[Holding, dict]:
         if loss_scale is not None:
             state[keys.LOSS_SCALE] = loss_scale
     for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            raise CheckpointError(
+                f"{key} is on the meta device: a model built there gets its values at its first call (from "
+                "weights=, init_fn, or a partita.load made before it), so there is nothing to save yet. Save after "
+                "the model's first call")
         if not isinstance(value, torch.Tensor) and key != keys.EXTRA:
             _check_plain(value, key)
     return holding, state
