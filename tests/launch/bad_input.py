@@ -121,6 +121,10 @@ def main() -> None:
     elif CASE == "micro_batches_do_not_split":
         model = partita.parallelize(mlp(), loss_fn=mse, micro_batches=4)
         model(*batch(3))
+    elif CASE == "elastic_global_batch_does_not_split":
+        net = mlp()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        partita.elastic(partita.parallelize(net, opt, loss_fn=mse), opt, os.path.join(DIR, "ckpt"), global_batch=9)
     elif CASE == "float64_input":
         model = partita.parallelize(mlp(), loss_fn=mse, stages=2)
         model(*batch(8)).backward()

@@ -38,6 +38,8 @@ CATALOGUE = [
                             "call 3"),
     Case("micro_batches_do_not_split", 1, "BatchError: the global batch of 6 rows (2 ranks x 3) does not split into "
                                           "4 micro-batches whatever the layout"),
+    Case("elastic_global_batch_does_not_split", 1, "CheckpointError: the global batch of 9 rows does not split "
+                                                   "evenly over 2 ranks"),
     Case("float64_input", 1, "BatchError: input tensor #0 (shape (8, 8)) is torch.float64, but the model computes "
                              "it in torch.float32"),
     Case("capture_fails_on_one_rank", 1, "rank 1: "),

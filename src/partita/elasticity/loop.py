@@ -54,12 +54,14 @@ class Elastic:
         self.model, self.optimizer, self.path = model, optimizer, os.fspath(path)
         self.global_batch, self.save_every, self.keep = global_batch, save_every, keep
         self.rank, self.world_size = world.rank, world.world_size
-        self.local_batch = _local_batch(global_batch, world.world_size) if global_batch is not None else None
+        self.local_batch: int | None = None
         self.step = 0
         self.extra: dict = {}
         self.resumed_from: checkpoint.CheckpointInfo | None = None
         self.stop_request = StopRequest().install()
         try:
+            # every rank finds the same problem; leaving together spares a rank still joining a reset connection
+            self.local_batch = _local_batch(global_batch, world.world_size) if global_batch is not None else None
             self._resume_from_newest_usable()
         except CheckpointError:
             self._leave()
