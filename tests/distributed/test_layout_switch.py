@@ -110,3 +110,4 @@ def test_a_float16_job_switches_with_its_loss_scale(pools):
         assert len(switched) == 1, f"switched at steps {switched}"
         assert [s["clean_steps"] for s in r["scales"]] == list(range(1, len(r["scales"]) + 1)), r["scales"]
         assert {s["scale"] for s in r["scales"]} == {2.0 ** 16}, r["scales"]
+        assert r["checks"] == [1] * len(r["checks"]), r["checks"]  # the old runtime's scale left the step

@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 import partita
 from partita.runtime import agreement
 from partita.runtime.ownership import named_state
+from partita.runtime.precision import LossScale
 from partita.schedule.catalog import stages_per_rank
 from support.logs import partita_log
 from support.zoo import CASES, Case
@@ -972,16 +973,20 @@ def layout_switch_fp16(steps: int = 12) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     pm = partita.parallelize(model, opt, loss_fn=_SlowLoss(case.loss_fn, 0.05), precision="fp16", sharding="none")
     rank, world, local_batch = partita.get_rank(), partita.get_world_size(), 8
-    plans, scales = [], []
-    for step in range(steps):
-        args, kwargs, target = case.batch(world * local_batch, torch.Generator().manual_seed(step))
-        mine = slice(rank * local_batch, (rank + 1) * local_batch)
-        opt.zero_grad()
-        pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine)).backward()
-        opt.step()
-        plans.append(pm.plan.to_json())
-        scales.append(pm.loss_scale_state())
-    return {"plans": plans, "scales": scales}
+    plans, scales, checks = [], [], []
+    checked = mock.patch.object(LossScale, "_overflowed", autospec=True, side_effect=LossScale._overflowed)
+    with checked as overflowed:
+        for step in range(steps):
+            args, kwargs, target = case.batch(world * local_batch, torch.Generator().manual_seed(step))
+            mine = slice(rank * local_batch, (rank + 1) * local_batch)
+            opt.zero_grad()
+            pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine)).backward()
+            before = overflowed.call_count
+            opt.step()
+            checks.append(overflowed.call_count - before)  # the loss scales in the step's chain
+            plans.append(pm.plan.to_json())
+            scales.append(pm.loss_scale_state())
+    return {"plans": plans, "scales": scales, "checks": checks}
 
 
 @mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate", "PARTITA_SWITCH_LAYOUT": "on"})

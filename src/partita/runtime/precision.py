@@ -101,6 +101,7 @@ class LossScale:
         self.params, self.device = params, device
         self.scale = INITIAL_LOSS_SCALE
         self.clean_steps = 0
+        self._taken_from: tuple[torch.optim.Optimizer, object] | None = None  # `take_over_step`'s
         self.scaled = False  # .grad holds gradients of the scaled loss
 
     def state_dict(self) -> dict:
@@ -132,8 +133,11 @@ class LossScale:
         self.scaled = False
 
     def take_over_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """optimizer.step() unscales first, and is skipped on every rank when any rank's gradients overflowed."""
+        """optimizer.step() unscales first, and is skipped on every rank when any rank's gradients overflowed
+        (until `give_back_step`)."""
         own_step = optimizer.step
+        # the instance's own step (someone patched it before), or none: the class's
+        self._taken_from = (optimizer, own_step if "step" in vars(optimizer) else None)
 
         def step(opt, *args, **kwargs):
             self.unscale()
@@ -150,6 +154,18 @@ class LossScale:
             return own_step(*args, **kwargs)
 
         optimizer.step = types.MethodType(step, optimizer)
+
+    def give_back_step(self) -> None:
+        """The optimizer's step as it was before `take_over_step`: a runtime that hands the model to another (a
+        layout switch) leaves no scale of its own in the chain of the next one's step."""
+        if self._taken_from is None:
+            return
+        optimizer, own_step = self._taken_from
+        if own_step is None:
+            del optimizer.step
+        else:
+            optimizer.step = own_step
+        self._taken_from = None
 
     def _overflowed(self) -> bool:
         # checked on the device, read once: a read per parameter would wait for the device as many times

@@ -164,6 +164,8 @@ class Runtime:
         """Undo what this runtime set on the user's optimizer, before another runtime takes the model."""
         if optimizer is not None:
             unpatch_optimizer(optimizer)
+        if self.loss_scale is not None:
+            self.loss_scale.give_back_step()
         if self.sharding is not None:
             self.sharding.remove()
 
