@@ -204,6 +204,14 @@ def test_latest_falls_back_to_the_newest_complete_checkpoint(saved):
     assert latest_checkpoint(root / "missing") is None
 
 
+def test_a_save_stopped_before_it_pointed_latest_at_itself_is_still_the_latest(saved):
+    """Its checkpoint was renamed into place, complete; `latest` still names the one before."""
+    root, path, model = saved
+    second = partita.save(model, None, root, step=6)
+    (root / "latest").write_text(f"{path.name}\n")
+    assert latest_checkpoint(root) == second
+
+
 def test_finding_the_latest_checkpoint_needs_no_torch(saved):
     root, path, _ = saved
     code = ("import sys; sys.modules['torch'] = None; import partita; "

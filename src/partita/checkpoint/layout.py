@@ -175,8 +175,9 @@ def complete_checkpoints(root: Path) -> list[tuple[Path, Manifest]]:
 def latest_checkpoint(path: str | os.PathLike) -> str | None:
     """The checkpoint to resume from under `path` (a root given to `partita.save`), or None if there is none.
 
-    The `latest` pointer when it names a complete checkpoint, otherwise the complete checkpoint saved last.
-    Directories of unfinished saves (`.tmp-`) are never returned.
+    The complete checkpoint saved last: the `latest` pointer's, unless another was saved after it (a save
+    stopped between renaming its checkpoint into place and pointing `latest` at it), its manifest does not read,
+    or it names none. Directories of unfinished saves (`.tmp-`) are never returned.
 
     >>> import tempfile
     >>> latest_checkpoint(tempfile.mkdtemp()) is None
@@ -189,10 +190,11 @@ def latest_checkpoint(path: str | os.PathLike) -> str | None:
         named = root / (root / LATEST).read_text().strip()
     except (OSError, UnicodeDecodeError):
         named = None
-    if named is not None and named.parent == root and is_checkpoint(named):
+    complete = complete_checkpoints(root)  # oldest save first
+    newest = complete[-1][0] if complete else None
+    if named is not None and named.parent == root and is_checkpoint(named) and newest in (None, named):
         return str(named)
-    complete = complete_checkpoints(root)
-    return str(complete[-1][0]) if complete else None
+    return None if newest is None else str(newest)
 
 
 def previous_checkpoint(directory: Path) -> str | None:
