@@ -216,7 +216,8 @@ def trained(seed: int = 0):
 
 @estimated_costs
 def on_rank0_only(call: str, root: str, plan: dict) -> dict:
-    """torch's idiom `if rank == 0: torch.save(...)` applied to partita.save or partita.load (`call`), while
+    """torch's idiom `if rank == 0: torch.save(...)` applied to partita.save, partita.load or the model's
+    state_dict() or get_param() (`call`), while
     rank 1 goes on to its next call of the model; the error this rank raised and how long it took."""
     from partita.runtime import agreement
 
@@ -231,6 +232,10 @@ def on_rank0_only(call: str, root: str, plan: dict) -> dict:
             partita.save(pm, opt, root, step=2)
         elif rank == 0 and call == "load":
             partita.load(pm, opt, root)
+        elif rank == 0 and call == "state_dict":
+            pm.state_dict()
+        elif rank == 0 and call == "get_param":
+            pm.get_param("layers.0.weight")
         elif call == "save_then_shutdown":
             return {"all_left": agreement.leave(), "seconds": time.monotonic() - started}
         else:

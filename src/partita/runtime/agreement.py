@@ -6,8 +6,9 @@ ending in gloo's bare "Timed out waiting". So every call of a parallelized model
 all-reduce that tells whether every rank says the same: what it is doing (calling, leaving, failing), its local
 rows and its call's structure. `partita.shutdown()` takes part too, once this process parallelized a model: a
 rank that stops early is found at the others' next call. Each step of partita's other collective calls
-(partita.save, partita.load: `state_step`) is a statement too, saying where the rank is: a rank that saves while
-another calls the model (`if rank == 0: partita.save(...)`) is found at once, rather than each waiting in a
+(partita.save, partita.load, a model's state_dict(), get_param(), get_param_grad(), clip_grad_norm_():
+`state_step`) is a statement too, saying where the rank is: a rank that saves while another calls the model
+(`if rank == 0: partita.save(...)`) is found at once, rather than each waiting in a
 collective the other never joins. Anything but agreement leads to one more exchange, of every rank's whole
 statement (with how many calls it made), and every rank raises the same error naming the rank and the cause,
 or, for rows that differ, gets every rank's rows.
@@ -149,14 +150,16 @@ def _elsewhere(said: list[_Said], rank: int) -> str | None:
         groups.setdefault(at, []).append(r)
     detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} in {at}"
                        for at, rs in groups.items())
-    return (f"the ranks are in different collective calls: {detail} (seen on rank {rank}). partita.save and "
-            "partita.load are collective, as a call of the model is: call them on every rank, at the same point "
-            "of the script and with the same arguments, not under `if rank == 0:` (every rank writes, and reads, "
-            "its share of the checkpoint)")
+    return (f"the ranks are in different collective calls: {detail} (seen on rank {rank}). partita.save, "
+            "partita.load and the model's state_dict(), get_param(), get_param_grad() and clip_grad_norm_() are "
+            "collective, as a call of the model is: call them on every rank, at the same point of the script and "
+            "with the same arguments, not under `if rank == 0:` (each rank holds, writes and reads its share of "
+            "the model)")
 
 
 def state_step(where: str, problem: BaseException | None) -> list[RankError | None]:
-    """A step of partita's own collective calls (partita.save, partita.load) that every rank takes: each says it
+    """A step of partita's own collective calls (partita.save, partita.load, a parallelized model's whole-model
+    reads: state_dict, get_param, ...) that every rank takes: each says it
     is at `where` and whether it failed there (`problem`). Returns every rank's error (None for a rank that did
     not fail) once all ranks are at `where`; a rank elsewhere (calling the model, in another step, leaving)
     makes every rank raise the same PartitaError at once."""

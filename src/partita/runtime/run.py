@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from partita.plan.plan import Plan
+from partita.runtime import agreement
 from partita.runtime.batch import Call
 from partita.runtime.optim import converted_state, patch_optimizer, unpatch_optimizer
 from partita.runtime.ownership import Ownership, named_state
@@ -171,6 +172,7 @@ class Runtime:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state under its original names, the same on every rank."""
+        _every_rank_in("model.state_dict()")
         return self._whole(self.module.state_dict(keep_vars=True).items())
 
     def as_held(self, state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
@@ -203,6 +205,7 @@ class Runtime:
 
     def parameter(self, name: str, grad: bool) -> torch.Tensor | None:
         """Parameter `name` (or its gradient), the same on every rank."""
+        _every_rank_in(f"model.{'get_param_grad' if grad else 'get_param'}({name!r})")
         p = self.parameters[name]
         t = full_value(p.grad if grad else p)
         if grad and t is not None:
@@ -222,6 +225,7 @@ class Runtime:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their norm over the whole model (each parameter counted once, on its owner)."""
+        _every_rank_in(f"model.clip_grad_norm_({max_norm!r}, {norm_type!r})")
         first = first_names(self.module)
         params = [self.parameters[name] for name in first.values()]
         # a sharded gradient counts its shard on each replica; any other, on its owner
@@ -244,3 +248,10 @@ class Runtime:
                 if p.grad is not None:
                     p.grad.mul_(coef)
         return total.float()
+
+
+def _every_rank_in(call: str) -> None:
+    """These reads gather from the ranks that hold the values, in some layouts, and so are collective in all: a
+    rank that reads while another calls the model (`if rank == 0: model.state_dict()`, torch's idiom for DDP)
+    gets the same error on every rank at once, in every layout, instead of a wait under the ones that gather."""
+    agreement.state_step(call, None)
