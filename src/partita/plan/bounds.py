@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import bisect
 import math
-import weakref
 
-from partita.plan.cost import CostModel
+from partita.plan.cost import CostModel, made_once
 from partita.schedule import orders
 from partita.schedule.catalog import stages_per_rank
 
@@ -317,15 +316,7 @@ class Remainder:
         return need - 5 * (stop - start)  # a stage's memory rounds each of its five parts down to bytes
 
 
-_REMAINDERS: weakref.WeakKeyDictionary[CostModel, Remainder] = weakref.WeakKeyDictionary()
-
-
-def remainder(model: CostModel) -> Remainder:
-    """The model's `Remainder`, made once: a layout's bounds, its first plans and each round of its search ask
-    for the same one, and its tables take a model's blocks several passes to make."""
-    if model not in _REMAINDERS:
-        _REMAINDERS[model] = Remainder(model)
-    return _REMAINDERS[model]
+remainder = made_once(Remainder)  # the model's Remainder, made once
 
 
 def layout_bound(model: CostModel, refined: bool = False) -> float:

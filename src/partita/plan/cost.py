@@ -42,8 +42,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import TypeVar
 
 from partita.cluster import Cluster
 from partita.graph import ModelGraph, Profile
@@ -530,3 +533,19 @@ def _shared_params(graph: ModelGraph) -> dict[str, list[int]]:
         for name in block.params:
             readers.setdefault(name, []).append(i)
     return {name: blocks for name, blocks in readers.items() if len(blocks) > 1}
+
+
+T = TypeVar("T")
+
+
+def made_once(make: Callable[[CostModel], T]) -> Callable[[CostModel], T]:
+    """`make`, made once per cost model and kept while the model lives: a layout's bounds, its first plans and
+    each round of its search ask for the same tables, which take the model's blocks several passes to make."""
+    made: weakref.WeakKeyDictionary[CostModel, T] = weakref.WeakKeyDictionary()
+
+    def once(model: CostModel) -> T:
+        if model not in made:
+            made[model] = make(model)
+        return made[model]
+
+    return once

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import itertools
 import math
-import weakref
 
 from partita.plan.bounds import Remainder
-from partita.plan.cost import CostModel
+from partita.plan.cost import CostModel, made_once
 from partita.plan.plan import FSDP_LEVELS
 
 Option = tuple[float, float, float]  # a way to run a stage, at least: (work, memory, forward per micro-batch)
@@ -119,14 +118,7 @@ class StageFloors:
         return out
 
 
-_FLOORS: weakref.WeakKeyDictionary[CostModel, StageFloors] = weakref.WeakKeyDictionary()
-
-
-def stage_floors(model: CostModel) -> StageFloors:
-    """The model's `StageFloors`, made once: each round of a layout's search asks for the same stages."""
-    if model not in _FLOORS:
-        _FLOORS[model] = StageFloors(model)
-    return _FLOORS[model]
+stage_floors = made_once(StageFloors)  # the model's StageFloors, made once
 
 
 class RankLoads:
