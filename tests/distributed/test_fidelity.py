@@ -244,6 +244,20 @@ def test_clip_grad_norm_as_one_process(pools, norm_type, stages, replicas, micro
         assert r["worst"] < 1e-6, r["worst"]
 
 
+@pytest.mark.parametrize("stages,replicas,micro_batches", [(1, 2, 1), (2, 1, 2)])  # DDP; a pipeline
+def test_a_loss_read_by_one_rank_after_its_step_is_the_global_loss(pools, stages, replicas, micro_batches):
+    """The loss a call returns is the global batch's whenever it is read: rank 0 alone reading each loss after
+    the optimizer's step neither waits for the others nor sees its own rows' loss, and every rank reading them
+    all at the end gets the same values (a guard for any change that would defer the loss's sum)."""
+    results = pools.run(2, "support.cases:losses_read_late", stages=stages, replicas=replicas,
+                        micro_batches=micro_batches)
+    for r in results:
+        assert r["plan"][:3] == (stages, replicas, micro_batches), r["plan"]
+        assert r["late"] == results[0]["late"] and r["late_type"] == "Tensor"
+        assert r["late"] == pytest.approx(r["want"], rel=1e-5)
+    assert results[0]["early"] == results[0]["late"]
+
+
 @pytest.mark.parametrize("stages,replicas,micro_batches", [(2, 1, 2), (1, 2, 1), (1, 2, 2)])  # pipeline; DDP
 def test_a_parameter_unfrozen_after_the_first_call_trains_as_in_one_process(pools, stages, replicas,
                                                                             micro_batches):

@@ -332,15 +332,21 @@ def _train_hf(pm, opt, model: torch.nn.Module, case: Case, steps: int) -> tuple[
     return losses, initial
 
 
-def clipped(norm_type: float, **plan_args) -> dict:
-    """Three steps of the MLP with clip_grad_norm_ between backward and step, against one process clipping with
-    torch.nn.utils.clip_grad_norm_: the norms returned and the largest difference of the clipped gradients."""
+def _mlp_beside_one_process(**plan_args):
+    """The MLP parallelized with SGD, and the same initial model with its own SGD to train in one process:
+    (case, reference, its optimizer, the parallelized model, its optimizer)."""
     case = CASES["mlp"]
     torch.manual_seed(0)
     model = case.make()
     ref = copy.deepcopy(model)
     opt, ref_opt = _optimizer("sgd", model), _optimizer("sgd", ref)
-    pm = partita.parallelize(model, opt, loss_fn=case.loss_fn, **plan_args)
+    return case, ref, ref_opt, partita.parallelize(model, opt, loss_fn=case.loss_fn, **plan_args), opt
+
+
+def clipped(norm_type: float, **plan_args) -> dict:
+    """Three steps of the MLP with clip_grad_norm_ between backward and step, against one process clipping with
+    torch.nn.utils.clip_grad_norm_: the norms returned and the largest difference of the clipped gradients."""
+    case, ref, ref_opt, pm, opt = _mlp_beside_one_process(**plan_args)
     rank, world, local_batch = partita.get_rank(), partita.get_world_size(), 4
     norms, worst = [], 0.0
     for step in range(3):
@@ -390,6 +396,32 @@ def unfrozen(**plan_args) -> dict:
         for o in (opt, ref_opt):
             o.zero_grad()
     return {"worst": worst, "plan": _summary(pm.plan), "sharding": [s.sharding for s in pm.plan.stages]}
+
+
+def losses_read_late(**plan_args) -> dict:
+    """Five steps of the MLP where rank 0 alone reads each loss after its optimizer step, and every rank reads
+    them all after the last step (stacked), against one process's losses: a read is no collective, so one rank
+    reading must neither wait for the others nor see its own rows' loss."""
+    case, ref, ref_opt, pm, opt = _mlp_beside_one_process(**plan_args)
+    rank, world, local_batch = partita.get_rank(), partita.get_world_size(), 4
+    losses, early, want = [], [], []
+    for step in range(5):
+        args, kwargs, target = case.batch(world * local_batch, torch.Generator().manual_seed(step))
+        mine = slice(rank * local_batch, (rank + 1) * local_batch)
+        loss = pm(*_rows(args, mine), target[mine], **_rows(kwargs, mine))
+        loss.backward()
+        ref_loss = case.loss_fn(ref(*args, **kwargs), target)
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        if rank == 0:
+            early.append(loss.item())
+        losses.append(loss)
+        want.append(ref_loss.item())
+    late = torch.stack(losses)
+    return {"early": early, "late": late.tolist(), "late_type": type(late).__name__, "want": want,
+            "plan": _summary(pm.plan)}
 
 
 def state_after_training(name: str, **plan_args) -> dict:

@@ -28,7 +28,8 @@ class DataParallel(Runtime):
         self.world_size = world_size
         self.cap = cap
         self.ddp = module if world_size == 1 else _ddp(module, cap)
-        self._trained = _trained(module)  # DDP sums the gradients of the parameters that required grad then
+        self._params = list(module.parameters())  # listed once: walking the modules per call costs more
+        self._trained = _trained(self._params)  # DDP sums the gradients of the parameters that required grad then
         # the ranks agree on a call during its forward, and wait for it before any collective after it (the loss's,
         # the backward's), unless DDP's forward has a collective of its own: a rank whose call differs would join
         # another collective first
@@ -39,11 +40,11 @@ class DataParallel(Runtime):
             [o.meta["val"].dtype if isinstance(o, fx.Node) else None for o in cap.outputs]
 
     def __call__(self, call: Call):
-        if self.world_size > 1 and _trained(self.module) != self._trained:
+        if self.world_size > 1 and _trained(self._params) != self._trained:
             # a parameter was unfrozen (or frozen) since: a new DDP sums the gradients of those trained now; the
             # old one's hooks go with it. Every rank changes requires_grad at the same call, and DDP's making is
             # collective
-            self._trained, self.ddp = _trained(self.module), None
+            self._trained, self.ddp = _trained(self._params), None
             self.ddp = _ddp(self.module, self.cap)
         if self.agrees_before_forward:
             call.rows  # noqa: B018 - waits for the agreement of the call: DDP's forward broadcasts buffers
@@ -91,8 +92,8 @@ class DataParallel(Runtime):
                 b.copy_(value)
 
 
-def _trained(module: nn.Module) -> tuple[bool, ...]:
-    return tuple(p.requires_grad for p in module.parameters())
+def _trained(params: list[nn.Parameter]) -> tuple[bool, ...]:
+    return tuple(p.requires_grad for p in params)
 
 
 class _GradientTimes(torch.autograd.Function):
