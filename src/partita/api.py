@@ -355,7 +355,9 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                               recompute=recompute, sharding=sharding, precision=precision, user_loss=loss_fn is None)
     if schedule is not None and constraints.schedule_problem(schedule):
         raise PlanError(constraints.schedule_problem(schedule))
-    # from now on partita.shutdown() tells the other ranks when this one stops calling the model
+    # from now on partita.shutdown() tells the other ranks when this one stops calling the model, and
+    # partita.barrier() says where this rank is
     env.before_leaving(agreement.leave)
+    env.before_barrier(agreement.at_barrier)
     reader = model_weights(weights, model, strict=strict) if weights is not None else None
     return ParallelModule(model, optimizer, loss_fn, constraints, plan, initial_of(model, init_fn, reader))

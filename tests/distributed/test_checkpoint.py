@@ -202,10 +202,11 @@ def test_errors_reach_every_rank(pools, tmp_path):
     assert "__1_0.distcp is missing" in results[0]["message"]
 
 
-@pytest.mark.parametrize("call", ["save", "load", "state_dict", "get_param"])
+@pytest.mark.parametrize("call", ["save", "load", "state_dict", "get_param", "barrier"])
 @pytest.mark.parametrize("plan", [{"stages": 1}, {"stages": 2}], ids=["ddp", "pipeline"])
 def test_save_or_load_on_rank_0_only_is_an_error_on_every_rank_at_once(pools, tmp_path, call, plan):
-    """`if rank == 0: partita.save(...)` (or the model's state_dict(), get_param()) while rank 1 calls the model:
+    """`if rank == 0: partita.save(...)` (or partita.barrier(), the model's state_dict(), get_param()) while rank 1
+    calls the model:
     both raise the same PartitaError, which says that these are collective, within seconds (the process group's
     timeout is 30 s), under DDP too, where a read gathers nothing."""
     results = pools.run(2, f"{CASE}:on_rank0_only", call, str(tmp_path), plan)
@@ -213,7 +214,8 @@ def test_save_or_load_on_rank_0_only_is_an_error_on_every_rank_at_once(pools, tm
     assert results[0]["message"] == results[1]["message"].replace("seen on rank 1", "seen on rank 0")
     message = results[0]["message"]
     where = {"save": r"partita\.save\(path=.*", "load": r"partita\.load\(path=.*",
-             "state_dict": r"model\.state_dict\(\)", "get_param": r"model\.get_param\('layers\.0\.weight'\)"}[call]
+             "state_dict": r"model\.state_dict\(\)", "get_param": r"model\.get_param\('layers\.0\.weight'\)",
+             "barrier": r"partita\.barrier\(\)"}[call]
     assert re.search(rf"rank 0 in {where} after \d+ calls of the model; rank 1 in call \d+ of the model", message), \
         message
     assert "are collective" in message and "not under `if rank == 0:`" in message, message

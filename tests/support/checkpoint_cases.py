@@ -216,8 +216,8 @@ def trained(seed: int = 0):
 
 @estimated_costs
 def on_rank0_only(call: str, root: str, plan: dict) -> dict:
-    """torch's idiom `if rank == 0: torch.save(...)` applied to partita.save, partita.load or the model's
-    state_dict() or get_param() (`call`), while
+    """torch's idiom `if rank == 0: torch.save(...)` applied to partita.save, partita.load, partita.barrier or
+    the model's state_dict() or get_param() (`call`), while
     rank 1 goes on to its next call of the model; the error this rank raised and how long it took."""
     from partita.runtime import agreement
 
@@ -236,6 +236,8 @@ def on_rank0_only(call: str, root: str, plan: dict) -> dict:
             pm.state_dict()
         elif rank == 0 and call == "get_param":
             pm.get_param("layers.0.weight")
+        elif rank == 0 and call == "barrier":
+            partita.barrier()
         elif call == "save_then_shutdown":
             return {"all_left": agreement.leave(), "seconds": time.monotonic() - started}
         else:

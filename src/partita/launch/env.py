@@ -216,9 +216,21 @@ def get_world_size() -> int:
     return world().world_size
 
 
+_before_barrier: list[Callable[[], None]] = []
+
+
+def before_barrier(hook: Callable[[], None]) -> None:
+    """Run `hook` in `barrier`, before it waits: once a model is parallelized, the call agreement, so that a rank
+    in a barrier while another calls the model (`if rank == 0: partita.barrier()`) is an error on both at once."""
+    if hook not in _before_barrier:
+        _before_barrier.append(hook)
+
+
 def barrier() -> None:
     """Wait until every rank reaches this point."""
     if dist.is_initialized():
+        for hook in _before_barrier:
+            hook()
         dist.barrier()
 
 

@@ -41,6 +41,7 @@ class State(enum.IntEnum):
 
 MODEL_CALL = "a call of the model"
 SHUTDOWN = "partita.shutdown()"
+BARRIER = "partita.barrier()"
 
 
 @dataclass(frozen=True)
@@ -151,10 +152,10 @@ def _elsewhere(said: list[_Said], rank: int) -> str | None:
     detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} in {at}"
                        for at, rs in groups.items())
     return (f"the ranks are in different collective calls: {detail} (seen on rank {rank}). partita.save, "
-            "partita.load and the model's state_dict(), get_param(), get_param_grad() and clip_grad_norm_() are "
-            "collective, as a call of the model is: call them on every rank, at the same point of the script and "
-            "with the same arguments, not under `if rank == 0:` (each rank holds, writes and reads its share of "
-            "the model)")
+            "partita.load, partita.barrier and the model's state_dict(), get_param(), get_param_grad() and "
+            "clip_grad_norm_() are collective, as a call of the model is: call them on every rank, at the same "
+            "point of the script and with the same arguments, not under `if rank == 0:` (each rank holds, writes "
+            "and reads its share of the model)")
 
 
 def state_step(where: str, problem: BaseException | None) -> list[RankError | None]:
@@ -176,6 +177,11 @@ def state_step(where: str, problem: BaseException | None) -> list[RankError | No
     if why is not None:
         raise PartitaError(why) from problem
     return [s.error for s in said]
+
+
+def at_barrier() -> None:
+    """`partita.barrier()` is a statement too (see `state_step`)."""
+    state_step(BARRIER, None)
 
 
 def _left_early(said: list[_Said], rank: int) -> str | None:
