@@ -125,6 +125,17 @@ def main() -> None:
         net = mlp()
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         partita.elastic(partita.parallelize(net, opt, loss_fn=mse), opt, os.path.join(DIR, "ckpt"), global_batch=9)
+    elif CASE == "elastic_loop_left_early":  # rank 1 leaves the loop (a `break` on its own data), rank 0 goes on
+        net = mlp()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        model = partita.parallelize(net, opt, loss_fn=mse)
+        job = partita.elastic(model, opt, os.path.join(DIR, "ckpt"))
+        for step in job.steps(4):
+            model(*batch(8)).backward()
+            opt.step()
+            opt.zero_grad()
+            if rank == 1 and step == 1:
+                break
     elif CASE == "float64_input":
         model = partita.parallelize(mlp(), loss_fn=mse, stages=2)
         model(*batch(8)).backward()

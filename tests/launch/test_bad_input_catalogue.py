@@ -40,6 +40,8 @@ CATALOGUE = [
                                           "4 micro-batches whatever the layout"),
     Case("elastic_global_batch_does_not_split", 1, "CheckpointError: the global batch of 9 rows does not split "
                                                    "evenly over 2 ranks"),
+    Case("elastic_loop_left_early", 1, "rank 0 in partita.elastic's check for a stop between steps after 2 calls of "
+                                       "the model; rank 1 in partita.shutdown() after 2 calls of the model"),
     Case("float64_input", 1, "BatchError: input tensor #0 (shape (8, 8)) is torch.float64, but the model computes "
                              "it in torch.float32"),
     Case("capture_fails_on_one_rank", 1, "rank 1: "),

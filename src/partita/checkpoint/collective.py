@@ -61,6 +61,11 @@ def together(step: Callable[[], T], what: str) -> T:
     return result
 
 
+def any_rank(flag: bool, what: str) -> bool:
+    """Whether `flag` holds on any rank, at a step every rank takes (`what`, as the others here)."""
+    return agreement.any_rank_says(what, flag)
+
+
 def every_rank(step: Callable[[], T], what: str) -> list[T]:
     """Run `step` on every rank; every rank gets every rank's result (picklable, in rank order), or the same
     CheckpointError if it failed anywhere."""

@@ -29,12 +29,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from partita import checkpoint, settings
 from partita.checkpoint import layout
-from partita.checkpoint.collective import from_rank0, together
+from partita.checkpoint.collective import any_rank, from_rank0, together
 from partita.checkpoint.manifest import read_manifest
 from partita.elasticity.stop import RESUME_EXIT_CODE, StopRequest
 from partita.errors import CheckpointError, PartitaError
@@ -167,11 +166,9 @@ class Elastic:
     def _agreed_stop_reason(self) -> str | None:
         """A reason to stop if any rank has one (signals may reach only some ranks), the same on every rank."""
         reason = self.stop_request.reason()
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return reason
-        flag = torch.tensor([1.0 if reason else 0.0], device=env.world().device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() == 0:
+        # a statement of the call agreement: a rank that left the loop (and shuts down, or calls the model) is an
+        # error that names it on every rank, not a collective of another size
+        if not any_rank(reason is not None, "partita.elastic's check for a stop between steps"):
             return None
         return reason or "another rank was asked to stop"
 

@@ -42,6 +42,9 @@ class State(enum.IntEnum):
 MODEL_CALL = "a call of the model"
 SHUTDOWN = "partita.shutdown()"
 BARRIER = "partita.barrier()"
+EVERY_RANK_STOPS = ("Every rank must call the model the same number of times: give each rank the same number of "
+                    "batches (a DistributedSampler does), and stop every rank at the same step (in partita.elastic's "
+                    "loop too)")
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,9 @@ def _elsewhere(said: list[_Said], rank: int) -> str | None:
         groups.setdefault(at, []).append(r)
     detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} in {at}"
                        for at, rs in groups.items())
+    if SHUTDOWN in places:
+        return (f"the ranks are in different collective calls: {detail} (seen on rank {rank}). A rank stopped "
+                f"while others go on. {EVERY_RANK_STOPS}")
     return (f"the ranks are in different collective calls: {detail} (seen on rank {rank}). partita.save, "
             "partita.load, partita.barrier and the model's state_dict(), get_param(), get_param_grad() and "
             "clip_grad_norm_() are collective, as a call of the model is: call them on every rank, at the same "
@@ -179,6 +185,20 @@ def state_step(where: str, problem: BaseException | None) -> list[RankError | No
     return [s.error for s in said]
 
 
+def any_rank_says(where: str, flag: bool) -> bool:
+    """Whether `flag` holds on any rank, at `where`: a step every rank takes (as `state_step`), such as
+    partita.elastic's check for a stop between two steps (signals may reach only some ranks). A rank elsewhere
+    makes every rank raise the same PartitaError at once. Costs one all-reduce where every rank says the same,
+    and one more exchange where the flags differ."""
+    if _single():
+        return flag
+    said = _exchange(State.CALLING, int(flag), "", None, where)
+    why = _elsewhere(said, dist.get_rank())
+    if why is not None:
+        raise PartitaError(why)
+    return any(s.rows for s in said)
+
+
 def at_barrier() -> None:
     """`partita.barrier()` is a statement too (see `state_step`)."""
     state_step(BARRIER, None)
@@ -193,8 +213,7 @@ def _left_early(said: list[_Said], rank: int) -> str | None:
     gone = ", ".join(f"rank {r} after {said[r].calls} calls" for r in leaving)
     still = ", ".join(f"rank {r} made call {said[r].calls + 1}" for r in calling)
     return (f"ranks stopped at different steps: partita.shutdown() was called on {gone} of the model, while "
-            f"{still} (seen on rank {rank}). Every rank must call the model the same number of times: give each "
-            "rank the same number of batches (a DistributedSampler does), and stop every rank at the same step")
+            f"{still} (seen on rank {rank}). {EVERY_RANK_STOPS}")
 
 
 def agree(description: str, what: str, problem: BaseException | None = None, rows: int = 0) -> tuple[int, ...]:
