@@ -87,6 +87,12 @@ def test_capture_failing_on_one_rank_stops_every_rank_with_its_error(pools):
     assert msg.startswith("rank 1: ") and "ValueError: bad data on rank 1" in msg
 
 
+@pytest.mark.parametrize("asked_on", [[], [0], [1], [0, 1]])
+def test_a_stop_asked_on_some_ranks_stops_every_rank(pools, asked_on):
+    """partita.elastic's check between steps (signals may reach only some ranks): every rank decides the same."""
+    assert pools.run(2, "support.cases:stop_asked", asked_on) == [{"stop": bool(asked_on)}] * 2
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 def test_a_rank_that_stops_early_ends_the_next_call_of_the_others(pools, stages):
     first, second = pools.run(2, "support.cases:bad_input", "one_rank_stops_early", str(stages))

@@ -424,6 +424,14 @@ def losses_read_late(**plan_args) -> dict:
             "plan": _summary(pm.plan)}
 
 
+def stop_asked(asked_on: list[int]) -> dict:
+    """partita.elastic's check for a stop with a stop asked on the ranks `asked_on` only (a signal that reached
+    some ranks): what every rank decides."""
+    from partita.checkpoint.collective import stop_asked_anywhere
+
+    return {"stop": stop_asked_anywhere(partita.get_rank() in asked_on)}
+
+
 def state_after_training(name: str, **plan_args) -> dict:
     """Two training steps, each rank with its own rows; then state_dict(), as float.hex per value, on every
     rank (to compare the ranks')."""

@@ -61,9 +61,10 @@ def together(step: Callable[[], T], what: str) -> T:
     return result
 
 
-def any_rank(flag: bool, what: str) -> bool:
-    """Whether `flag` holds on any rank, at a step every rank takes (`what`, as the others here)."""
-    return agreement.any_rank_says(what, flag)
+def stop_asked_anywhere(asked: bool) -> bool:
+    """Whether any rank was asked to stop (signals may reach only some ranks), at partita.elastic's check between
+    two steps, which every rank takes: a rank elsewhere (it left the loop) is an error on every rank at once."""
+    return agreement.any_rank_says(agreement.STOP_CHECK, asked)
 
 
 def every_rank(step: Callable[[], T], what: str) -> list[T]:

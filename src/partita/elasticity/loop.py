@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from partita import checkpoint, settings
 from partita.checkpoint import layout
-from partita.checkpoint.collective import any_rank, from_rank0, together
+from partita.checkpoint.collective import from_rank0, stop_asked_anywhere, together
 from partita.checkpoint.manifest import read_manifest
 from partita.elasticity.stop import RESUME_EXIT_CODE, StopRequest
 from partita.errors import CheckpointError, PartitaError
@@ -168,7 +168,7 @@ class Elastic:
         reason = self.stop_request.reason()
         # a statement of the call agreement: a rank that left the loop (and shuts down, or calls the model) is an
         # error that names it on every rank, not a collective of another size
-        if not any_rank(reason is not None, "partita.elastic's check for a stop between steps"):
+        if not stop_asked_anywhere(reason is not None):
             return None
         return reason or "another rank was asked to stop"
 

@@ -227,7 +227,8 @@ def before_barrier(hook: Callable[[], None]) -> None:
 
 
 def barrier() -> None:
-    """Wait until every rank reaches this point."""
+    """Wait until every rank reaches this point (once a model is parallelized: a PartitaError on every rank at
+    once where another rank is in another collective call, such as a call of the model)."""
     if dist.is_initialized():
         for hook in _before_barrier:
             hook()

@@ -42,6 +42,9 @@ class State(enum.IntEnum):
 MODEL_CALL = "a call of the model"
 SHUTDOWN = "partita.shutdown()"
 BARRIER = "partita.barrier()"
+STOP_CHECK = "partita.elastic's check for a stop between steps"
+# where a rank is while it trains: ranks found in different ones left the training loop at different steps
+_TRAINING = frozenset([MODEL_CALL, SHUTDOWN, STOP_CHECK])
 EVERY_RANK_STOPS = ("Every rank must call the model the same number of times: give each rank the same number of "
                     "batches (a DistributedSampler does), and stop every rank at the same step (in partita.elastic's "
                     "loop too)")
@@ -154,9 +157,9 @@ def _elsewhere(said: list[_Said], rank: int) -> str | None:
         groups.setdefault(at, []).append(r)
     detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} in {at}"
                        for at, rs in groups.items())
-    if SHUTDOWN in places:
-        return (f"the ranks are in different collective calls: {detail} (seen on rank {rank}). A rank stopped "
-                f"while others go on. {EVERY_RANK_STOPS}")
+    if places <= _TRAINING:
+        return (f"the ranks are in different collective calls: {detail} (seen on rank {rank}). The ranks left the "
+                f"training loop at different steps. {EVERY_RANK_STOPS}")
     return (f"the ranks are in different collective calls: {detail} (seen on rank {rank}). partita.save, "
             "partita.load, partita.barrier and the model's state_dict(), get_param(), get_param_grad() and "
             "clip_grad_norm_() are collective, as a call of the model is: call them on every rank, at the same "
