@@ -157,14 +157,13 @@ def _elsewhere(said: list[_Said], rank: int) -> str | None:
         groups.setdefault(at, []).append(r)
     detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} in {at}"
                        for at, rs in groups.items())
+    found = f"the ranks are in different collective calls: {detail} (seen on rank {rank})"
     if places <= _TRAINING:
-        return (f"the ranks are in different collective calls: {detail} (seen on rank {rank}). The ranks left the "
-                f"training loop at different steps. {EVERY_RANK_STOPS}")
-    return (f"the ranks are in different collective calls: {detail} (seen on rank {rank}). partita.save, "
-            "partita.load, partita.barrier and the model's state_dict(), get_param(), get_param_grad() and "
-            "clip_grad_norm_() are collective, as a call of the model is: call them on every rank, at the same "
-            "point of the script and with the same arguments, not under `if rank == 0:` (each rank holds, writes "
-            "and reads its share of the model)")
+        return f"{found}. The ranks left the training loop at different steps. {EVERY_RANK_STOPS}"
+    return (f"{found}. partita.save, partita.load, partita.barrier and the model's state_dict(), get_param(), "
+            "get_param_grad() and clip_grad_norm_() are collective, as a call of the model is: call them on every "
+            "rank, at the same point of the script and with the same arguments, not under `if rank == 0:` (each "
+            "rank holds, writes and reads its share of the model)")
 
 
 def state_step(where: str, problem: BaseException | None) -> list[RankError | None]:
