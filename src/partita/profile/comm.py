@@ -71,13 +71,19 @@ def measure_reduce_scatter(device: torch.device) -> Link | None:
     """Time of a reduce-scatter of a tensor over all ranks (each keeps its share of the sum), by the whole
     tensor's size; None with one rank. FSDP's backward runs one per unit; gloo's costs more than half an
     all-reduce (measured 1.5 times an all-reduce on 4 CPU ranks)."""
-    return _measure_collective(device, lambda whole, share: dist.reduce_scatter_tensor(share, whole))
+    return _measure_collective(device, lambda whole, share: _REDUCE_SCATTER(share, whole))
 
 
 def measure_allgather(device: torch.device) -> Link | None:
     """Time of an all-gather of every rank's share into the whole tensor, by the whole tensor's size; None with
     one rank. FSDP gathers each unit's parameters so."""
-    return _measure_collective(device, lambda whole, share: dist.all_gather_into_tensor(whole, share))
+    return _measure_collective(device, lambda whole, share: _ALL_GATHER(whole, share))
+
+
+# torch 2.13 renamed the tensor forms of these two (the old names warn on every call, in the user's log); 2.11 has
+# only the old ones
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def _measure_collective(device: torch.device, run: Callable[[torch.Tensor, torch.Tensor], object]) -> Link | None:
