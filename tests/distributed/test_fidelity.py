@@ -222,6 +222,15 @@ def test_summed_loss(pools, world, stages, micro_batches):
     assert r["plan"][:3] == (stages, world // stages, micro_batches)
 
 
+@pytest.mark.parametrize("world,stages,micro_batches", [(2, 1, 1), (2, 2, 2), (4, 2, 2)])
+def test_a_plain_function_that_sums_is_found_summing(pools, world, stages, micro_batches):
+    """A plain loss function says nothing of how it combines rows: the first call's values show that it sums,
+    and partita combines the micro-batches and ranks so (taken as a mean, the loss and gradients would be off by
+    their number)."""
+    r = fidelity(pools, world, "mlp", reduction="plain sum", stages=stages, micro_batches=micro_batches)
+    assert r["plan"][:3] == (stages, world // stages, micro_batches)
+
+
 @pytest.mark.parametrize("style", ["loss_fn", "outputs"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_batches_of_different_sizes_under_data_parallel(pools, world, style):

@@ -143,7 +143,8 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
     roundtrip: parallelize arguments of a fresh run that loads both state dicts and trains one more step.
     eval_batch, no_grad_batch: rows per rank of a call under torch.no_grad() after training, in eval mode or
         in train mode.
-    reduction: the loss function's ("sum": the case's loss function summing instead of averaging).
+    reduction: the loss function's ("sum": the case's loss function summing instead of averaging; "plain sum":
+        a plain function that sums, which says nothing of it).
     extra_rows: rank r passes local_batch + r * extra_rows rows (batches of different sizes).
     build: "meta" builds partita's model on the meta device (the reference on the CPU, from the same seed);
         its initial parameters must equal the reference's bit for bit ("initial").
@@ -159,7 +160,9 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
     if lr_schedule and roundtrip:
         raise ValueError("lr_schedule and roundtrip do not combine: the fresh run has no scheduler")
     case = CASES[name]
-    if reduction != "mean":
+    if reduction == "plain sum":
+        case = dataclasses.replace(case, loss_fn=_plain_sum(case.loss_fn))
+    elif reduction != "mean":
         summed = copy.copy(case.loss_fn)
         summed.reduction = reduction
         case = dataclasses.replace(case, loss_fn=summed)
@@ -228,14 +231,15 @@ def optimizer_rates() -> dict:
 
 @mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
 def what_the_loss_sees(precision: str, **plan_args) -> dict:
-    """One step of the GPT computing in `precision` with a loss that notes the dtype of the logits it gets and
-    whether autocast is on around it; and the dtype of the outputs a call without loss_fn returns."""
+    """One step of the GPT computing in `precision` with a loss that notes the dtype of the logits it gets,
+    whether autocast is on around it and whether gradients are; and the dtype of the outputs a call without
+    loss_fn returns."""
     case = CASES["gpt"]
     torch.manual_seed(0)
     seen = []
 
     def loss_fn(logits, target):
-        seen.append((str(logits.dtype), torch.is_autocast_enabled(logits.device.type)))
+        seen.append((str(logits.dtype), torch.is_autocast_enabled(logits.device.type), torch.is_grad_enabled()))
         return case.loss_fn(logits, target)
 
     model = case.make()
@@ -778,6 +782,12 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
             pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2, micro_batches=4)
             pm(x, y).backward()
             pm(x[:3], y[:3])
+        elif scenario in ("loss_says_mean_but_sums", "loss_says_mean_but_sums_data_parallel"):
+            liar = _plain_sum(torch.nn.MSELoss())
+            liar.reduction = "mean"
+            stages = 1 if scenario.endswith("data_parallel") else 2
+            pm = partita.parallelize(model, loss_fn=liar, stages=stages, micro_batches=2 if stages == 2 else 1)
+            pm(x, y).backward()
         elif scenario == "wrong_device":
             pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2)
             pm(x.to("meta") if rank == 1 else x, y)
@@ -953,6 +963,13 @@ def step_review(steps: int = 10) -> dict:
             walls.append(time.perf_counter() - start)
     return {"said": [s for s in said if "a training step takes" in s], "estimate_s": pm.plan.estimate.step_s,
             "walls_s": walls}
+
+
+def _plain_sum(loss_fn: torch.nn.Module):
+    """`loss_fn` summing over rows, as a plain function without `reduction`."""
+    summed = copy.copy(loss_fn)
+    summed.reduction = "sum"
+    return lambda out, target: summed(out, target)
 
 
 class _SlowLoss(torch.nn.Module):

@@ -7,7 +7,9 @@ weighed by its rows, so that the loss and the gradients are those of the global 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,6 +64,8 @@ class Loss:
 
     fn: Callable
     reduction: str  # "mean" or "sum"
+    declared: bool = True  # loss_fn's own `reduction` says it (a plain function does not: taken as a mean)
+    checked: bool = False  # the first training call's values showed whether it combines rows so (`checked_loss`)
 
 
 def loss_of(loss_fn: Callable | None) -> Loss | None:
@@ -70,17 +74,91 @@ def loss_of(loss_fn: Callable | None) -> Loss | None:
         return None
     reduction = getattr(loss_fn, "reduction", None)
     if reduction is None:
-        # a plain function says nothing of how it combines rows; a sum taken for a mean would be silently off by
-        # the micro-batches times the replicas
-        reduction = "mean"
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            log.warning("partita: loss_fn %s has no `reduction`: partita takes it as a mean over rows. If it "
-                        "sums, set loss_fn.reduction = 'sum' (a function is an object: the attribute sticks)",
-                        getattr(loss_fn, "__name__", type(loss_fn).__name__))
+        return Loss(loss_fn, "mean", declared=False)
     if reduction not in ("mean", "sum"):
         raise PlanError(f"loss_fn has reduction={reduction!r}; partita needs 'mean' or 'sum' to combine "
                         "micro-batch losses into the batch loss")
     return Loss(loss_fn, reduction)
+
+
+COMBINATIONS = ("mean", "sum", "neither")  # what `rows_combination` may find, in the order `checked_loss` sends them
+ROWS_RTOL = 1e-4  # relative: float32 sums of the same rows in another order differ by about 1e-6
+
+
+def rows_combination(loss_fn: Callable, out, target: torch.Tensor) -> str | None:
+    """How `loss_fn` combines the rows of this batch, from its values on the whole and on each half (in float32,
+    without gradients): "mean", "sum", "neither" (e.g. a mean over the tokens that ignore_index keeps, or class
+    weights), or None where this batch cannot tell (one row, a loss of 0, outputs whose dim 0 is not the rows,
+    a loss_fn that refuses half the rows)."""
+    rows = target.shape[0] if isinstance(target, torch.Tensor) and target.dim() else 0
+    leaves = [t for t in torch.utils._pytree.tree_leaves((out, target)) if isinstance(t, torch.Tensor)]
+    if rows < 2 or any(t.dim() == 0 or t.shape[0] != rows for t in leaves):
+        return None
+    half = rows // 2
+
+    def rows_of(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        part = t.detach()[start:stop]
+        return part.float() if part.is_floating_point() else part
+
+    values = []
+    try:
+        with torch.no_grad(), torch.autocast(target.device.type, enabled=False):
+            for start, stop in ((0, rows), (0, half), (half, rows)):
+                args = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: rows_of(t, start, stop),
+                                                         (out, target))
+                values.append(loss_fn(*args))
+    except Exception:  # noqa: BLE001 - a loss that cannot take half the rows tells nothing; the call itself goes on
+        return None
+    if any(not isinstance(v, torch.Tensor) or v.numel() != 1 for v in values):
+        return None
+    whole, first, second = (float(v) for v in values)
+    scale = max(abs(whole), abs(first), abs(second))
+    if not math.isfinite(scale) or scale == 0.0:
+        return None
+    as_mean = abs(whole - (half * first + (rows - half) * second) / rows) <= ROWS_RTOL * scale
+    as_sum = abs(whole - (first + second)) <= ROWS_RTOL * scale
+    if as_mean and as_sum:
+        return None
+    return "mean" if as_mean else "sum" if as_sum else "neither"
+
+
+def checked_loss(loss: Loss, found: str | None, device: torch.device) -> Loss:
+    """`loss` once every rank showed how it combines rows on its first training call (`found`: this rank's
+    `rows_combination`, None where it computed none or could not tell). partita combines the losses of
+    micro-batches and ranks by rows: a plain function takes what its values show; a loss that says one reduction
+    and shows the other would be off by the micro-batches times the replicas, an error on every rank; one that
+    is neither a mean nor a sum over rows differs from one process's loss, which the log says."""
+    flags = torch.tensor([float(found == kind) for kind in COMBINATIONS], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    seen = {kind for kind, flag in zip(COMBINATIONS, flags.tolist()) if flag}
+    name = getattr(loss.fn, "__name__", type(loss.fn).__name__)
+    speaks = not dist.is_initialized() or dist.get_rank() == 0
+    if "neither" in seen or len(seen) > 1:
+        if speaks:
+            log.warning("partita: loss_fn %s is not a %s over the batch's rows (its value on a batch differs from "
+                        "the %s of its values on the two halves%s): partita computes it per micro-batch and per "
+                        "rank and combines those by rows, so the loss and the gradients differ from one process's "
+                        "on the whole batch (as DDP's do). For one process's: reduction='sum', divided by a count "
+                        "that does not depend on how the batch is split (e.g. the global batch's tokens)", name,
+                        loss.reduction, loss.reduction, ", on some ranks" if len(seen) > 1 else "")
+        return dataclasses.replace(loss, checked=True)
+    if not seen:
+        if not loss.declared and speaks:
+            log.warning("partita: loss_fn %s has no `reduction`, and its values on the first batch could not tell: "
+                        "partita takes it as a mean over rows. If it sums, set loss_fn.reduction = 'sum' (a function "
+                        "is an object: the attribute sticks)", name)
+        return dataclasses.replace(loss, checked=True)
+    (shown,) = seen
+    if loss.declared and shown != loss.reduction:
+        raise PlanError(f"loss_fn {name} has reduction={loss.reduction!r}, but its values are a {shown} over the "
+                        f"batch's rows (its value on a batch is the {shown} of its values on the two halves): "
+                        f"partita would combine the micro-batches' and ranks' losses as a {loss.reduction}, off by "
+                        f"their number. Set loss_fn.reduction = {shown!r}")
+    if not loss.declared and speaks:
+        log.info("partita: loss_fn %s has no `reduction`; its values on the first batch are a %s over rows, and "
+                 "partita combines micro-batches and ranks so", name, shown)
+    return dataclasses.replace(loss, reduction=shown, checked=True)
 
 
 @dataclass(frozen=True)

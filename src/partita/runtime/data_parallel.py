@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from partita.capture.export import CapturedGraph
 from partita.plan.plan import Plan
-from partita.runtime.batch import Call, Loss, global_loss
+from partita.runtime.batch import Call, Loss, checked_loss, global_loss, rows_combination
 from partita.runtime.ownership import Ownership
 from partita.runtime.precision import as_captured, autocast
 from partita.runtime.run import Runtime, as_trained
@@ -60,6 +60,8 @@ class DataParallel(Runtime):
             # under autocast too, as a one-process loop computes it (precision.py)
             value = self.loss.fn(out, call.target) if self.loss is not None else None
         rows = call.rows
+        if self.loss is not None and not self.loss.checked and self.world_size > 1:
+            self.loss = checked_loss(self.loss, rows_combination(self.loss.fn, out, call.target), self.device)
         if self.loss is None:
             result = torch.utils._pytree.tree_map(
                 lambda t: global_loss(t, "mean", rows) if isinstance(t, torch.Tensor) and t.dim() == 0 else t,

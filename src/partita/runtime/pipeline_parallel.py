@@ -67,7 +67,8 @@ class PipelineParallel(Runtime):
         engine = self._engine_for(call)
         # eval mode changes what modules compute, not whether gradients flow: as in torch, grad mode decides
         if self.loss is not None and torch.is_grad_enabled():
-            return engine.train_step(call.tensors, call.target, self.loss, call.rows)
+            result, self.loss = engine.train_step(call.tensors, call.target, self.loss, call.rows)
+            return result
         return engine.forward(call.tensors, call.target, self.loss, torch.is_grad_enabled(), call.rows)
 
     def executed(self) -> list[Action]:

@@ -31,7 +31,7 @@ from partita.capture.shapes import shape_at
 from partita.capture.split import split
 from partita.errors import BatchError, PartitaError, PlanError
 from partita.plan.plan import Plan, check_batch
-from partita.runtime.batch import Loss
+from partita.runtime.batch import Loss, checked_loss, rows_combination
 from partita.runtime.fully_sharded import ShardedUnits, reshard_after_call, through_units
 from partita.runtime.grads import GradSync, Gradients
 from partita.runtime.pipeline import Pipeline
@@ -168,18 +168,26 @@ class Engine:
         return value
 
     # ---- loss computed by partita: torch's schedule, fused forward + backward ---------------------
-    def train_step(self, tensors: list[torch.Tensor], target: torch.Tensor, loss: Loss, rows: tuple[int, ...]):
+    def train_step(self, tensors: list[torch.Tensor], target: torch.Tensor, loss: Loss,
+                   rows: tuple[int, ...]) -> tuple[torch.Tensor, Loss]:
+        """The global batch's loss, its backward run, its gradients held until the caller's backward reaches
+        them; and `loss`, checked on its first call where micro-batches or replicas are combined (`checked_loss`)."""
         _, micro_batch_rows = self._sizes(rows)
         p, plan = self.place, self.plan
         self._sync_buffers()
 
         scale = self._scale()
+        combines = plan.micro_batches > 1 or plan.num_replicas > 1
+        found: list[str | None] = []  # how the loss combines the rows of the first micro-batch (last stage)
 
         def stage_loss(flat_out, tgt):
             # the pipeline keeps the first call's function: it reads the scale of the call it runs in; under
             # autocast, on the last stage's outputs as they are (precision.py)
+            out = self._unflatten(list(flat_out))
             with autocast(plan.precision, p.device):
-                value = loss.fn(self._unflatten(list(flat_out)), tgt)
+                value = loss.fn(out, tgt)
+            if combines and not loss.checked and not found:
+                found.append(rows_combination(loss.fn, out, tgt))
             return value * self._scale()
 
         pipe = self._pipeline(micro_batch_rows, True, stage_loss)
@@ -188,6 +196,8 @@ class Engine:
         saved = self.grads.stash()
         losses = pipe.step(tuple(inputs or ()), target_rows[0] if target_rows else None)
         gradients = self.grads.take(saved)
+        if combines and not loss.checked:
+            loss = checked_loss(loss, found[0] if found else None, p.device)
         mean = loss.reduction == "mean"
         denominator = plan.num_replicas * plan.micro_batches if mean else 1
         total = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=p.device)
@@ -196,7 +206,7 @@ class Engine:
         users = [t for k, t in enumerate(tensors) if t.requires_grad and k in self.stage0_inputs]
         step = _HeldGradients(self.grads, gradients, 1.0 / denominator, input_grads,
                               value.to(_loss_dtype(losses, value)), self.loss_scale)
-        return _Loss.apply(step, self.anchor, *users)
+        return _Loss.apply(step, self.anchor, *users), loss
 
     # ---- everything else: forward now, backward (if any) when the user's loss gets here ----------
     def forward(self, tensors: list[torch.Tensor], target: torch.Tensor | None, loss: Loss | None, grad: bool,
