@@ -50,6 +50,9 @@ def test_the_values_of_a_batch_and_its_halves_show_a_mean_a_sum_or_neither():
     assert rows_combination(torch.nn.MSELoss(), out, target) == "mean"
     assert rows_combination(_summed, out, target) == "sum"
     assert rows_combination(torch.nn.L1Loss(reduction="sum"), out, target) == "sum"
+    # computed in bfloat16 (each value rounded to 8 bits of mantissa), still told apart
+    assert rows_combination(torch.nn.MSELoss(), out.bfloat16(), target.bfloat16()) == "mean"
+    assert rows_combination(_summed, out.bfloat16(), target.bfloat16()) == "sum"
     logits, labels = torch.randn(6, 5, 3), torch.randint(0, 3, (6, 5))
     # a language model's loss: a mean over tokens is a mean over rows while every row has as many tokens...
     lm = lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten())  # noqa: E731

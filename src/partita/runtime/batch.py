@@ -86,37 +86,35 @@ ROWS_RTOL = 1e-4  # relative: float32 sums of the same rows in another order dif
 
 
 def rows_combination(loss_fn: Callable, out, target: torch.Tensor) -> str | None:
-    """How `loss_fn` combines the rows of this batch, from its values on the whole and on each half (in float32,
-    without gradients): "mean", "sum", "neither" (e.g. a mean over the tokens that ignore_index keeps, or class
-    weights), or None where this batch cannot tell (one row, a loss of 0, outputs whose dim 0 is not the rows,
-    a loss_fn that refuses half the rows)."""
+    """How `loss_fn` combines the rows of this batch, from its values on the whole and on each half, computed as
+    the caller computes the loss (its autocast; without gradients, on views: no copy of the outputs): "mean",
+    "sum", "neither" (e.g. a mean over the tokens that ignore_index keeps, or class weights), or None where this
+    batch cannot tell (one row, a loss of 0, outputs whose dim 0 is not the rows, a loss_fn that refuses half
+    the rows)."""
     rows = target.shape[0] if isinstance(target, torch.Tensor) and target.dim() else 0
     leaves = [t for t in torch.utils._pytree.tree_leaves((out, target)) if isinstance(t, torch.Tensor)]
     if rows < 2 or any(t.dim() == 0 or t.shape[0] != rows for t in leaves):
         return None
     half = rows // 2
-
-    def rows_of(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        part = t.detach()[start:stop]
-        return part.float() if part.is_floating_point() else part
-
     values = []
     try:
-        with torch.no_grad(), torch.autocast(target.device.type, enabled=False):
+        with torch.no_grad():
             for start, stop in ((0, rows), (0, half), (half, rows)):
-                args = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: rows_of(t, start, stop),
+                args = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach()[start:stop],
                                                          (out, target))
                 values.append(loss_fn(*args))
     except Exception:  # noqa: BLE001 - a loss that cannot take half the rows tells nothing; the call itself goes on
         return None
-    if any(not isinstance(v, torch.Tensor) or v.numel() != 1 for v in values):
+    if any(not isinstance(v, torch.Tensor) or v.numel() != 1 or not v.is_floating_point() for v in values):
         return None
+    # a loss computed in bfloat16 or float16 rounds each of the three values
+    rtol = max(ROWS_RTOL, *(4 * torch.finfo(v.dtype).eps for v in values))
     whole, first, second = (float(v) for v in values)
     scale = max(abs(whole), abs(first), abs(second))
     if not math.isfinite(scale) or scale == 0.0:
         return None
-    as_mean = abs(whole - (half * first + (rows - half) * second) / rows) <= ROWS_RTOL * scale
-    as_sum = abs(whole - (first + second)) <= ROWS_RTOL * scale
+    as_mean = abs(whole - (half * first + (rows - half) * second) / rows) <= rtol * scale
+    as_sum = abs(whole - (first + second)) <= rtol * scale
     if as_mean and as_sum:
         return None
     return "mean" if as_mean else "sum" if as_sum else "neither"

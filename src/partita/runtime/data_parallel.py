@@ -59,9 +59,11 @@ class DataParallel(Runtime):
             out = self.ddp(*args, **kwargs)
             # under autocast too, as a one-process loop computes it (precision.py)
             value = self.loss.fn(out, call.target) if self.loss is not None else None
+            check = self.loss is not None and not self.loss.checked and self.world_size > 1
+            found = rows_combination(self.loss.fn, out, call.target) if check else None
         rows = call.rows
-        if self.loss is not None and not self.loss.checked and self.world_size > 1:
-            self.loss = checked_loss(self.loss, rows_combination(self.loss.fn, out, call.target), self.device)
+        if check:
+            self.loss = checked_loss(self.loss, found, self.device)
         if self.loss is None:
             result = torch.utils._pytree.tree_map(
                 lambda t: global_loss(t, "mean", rows) if isinstance(t, torch.Tensor) and t.dim() == 0 else t,

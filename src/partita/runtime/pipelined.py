@@ -186,8 +186,8 @@ class Engine:
             out = self._unflatten(list(flat_out))
             with autocast(plan.precision, p.device):
                 value = loss.fn(out, tgt)
-            if combines and not loss.checked and not found:
-                found.append(rows_combination(loss.fn, out, tgt))
+                if combines and not loss.checked and not found:
+                    found.append(rows_combination(loss.fn, out, tgt))
             return value * self._scale()
 
         pipe = self._pipeline(micro_batch_rows, True, stage_loss)
