@@ -21,10 +21,11 @@ def test_batch_not_divisible_later(pools):
     assert "4 micro-batches" in msg and "[1, 2, 3, 6]" in msg
 
 
-@pytest.mark.parametrize("layout", ["", "_data_parallel"])
+@pytest.mark.parametrize("layout", ["", "_data_parallel", "_retried", "_retried_data_parallel"])
 def test_a_loss_whose_values_contradict_its_reduction(pools, layout):
     """A loss that says it averages but sums would make partita's combination of micro-batches and ranks off by
-    their number: the first call's values show it, and every rank stops with what to set."""
+    their number: the first call's values show it, and every rank stops with what to set; again if the caller
+    catches the error and calls once more."""
     msg = errors(pools.run(2, "support.cases:bad_input", "loss_says_mean_but_sums" + layout), "PlanError")
     assert "reduction='mean', but its values are a sum over the batch's rows" in msg
     assert "Set loss_fn.reduction = 'sum'" in msg

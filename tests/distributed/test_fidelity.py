@@ -231,6 +231,14 @@ def test_a_plain_function_that_sums_is_found_summing(pools, world, stages, micro
     assert r["plan"][:3] == (stages, world // stages, micro_batches)
 
 
+@pytest.mark.parametrize("stages,micro_batches", [(1, 1), (2, 2)])
+def test_a_plain_function_that_sums_is_found_summing_in_an_evaluation_first(pools, stages, micro_batches):
+    """The first call an evaluation (under torch.no_grad()): the loss is the global batch's sum all the same."""
+    for r in pools.run(2, "support.cases:plain_sum_evaluated_first", stages=stages, micro_batches=micro_batches):
+        assert r["plan"][:3] == (stages, 2 // stages, micro_batches)
+        assert r["loss"] == pytest.approx(r["one_process"], rel=1e-5)
+
+
 @pytest.mark.parametrize("style", ["loss_fn", "outputs"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_batches_of_different_sizes_under_data_parallel(pools, world, style):

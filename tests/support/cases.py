@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 import torch.utils._pytree as pytree
 
 import partita
+from partita.errors import PlanError
 from partita.runtime import agreement
 from partita.runtime.ownership import named_state
 from partita.runtime.precision import LossScale
@@ -782,11 +783,16 @@ def bad_input(scenario: str, plan_path: str | None = None) -> dict:
             pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2, micro_batches=4)
             pm(x, y).backward()
             pm(x[:3], y[:3])
-        elif scenario in ("loss_says_mean_but_sums", "loss_says_mean_but_sums_data_parallel"):
+        elif scenario.startswith("loss_says_mean_but_sums"):
             liar = _plain_sum(torch.nn.MSELoss())
             liar.reduction = "mean"
-            stages = 1 if scenario.endswith("data_parallel") else 2
+            stages = 1 if "data_parallel" in scenario else 2
             pm = partita.parallelize(model, loss_fn=liar, stages=stages, micro_batches=2 if stages == 2 else 1)
+            if "retried" in scenario:  # caught, and the call made again: refused again
+                try:
+                    pm(x, y).backward()
+                except PlanError:
+                    pass
             pm(x, y).backward()
         elif scenario == "wrong_device":
             pm = partita.parallelize(model, loss_fn=torch.nn.MSELoss(), stages=2)
@@ -970,6 +976,26 @@ def _plain_sum(loss_fn: torch.nn.Module):
     summed = copy.copy(loss_fn)
     summed.reduction = "sum"
     return lambda out, target: summed(out, target)
+
+
+@mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
+def plain_sum_evaluated_first(**plan_args) -> dict:
+    """A plain summing loss function whose first call is an evaluation (under torch.no_grad()): the global batch's
+    loss on every rank, and one process's on the global batch."""
+    rank, world = partita.get_rank(), partita.get_world_size()
+    case = CASES["mlp"]
+    loss_fn = _plain_sum(case.loss_fn)
+    torch.manual_seed(0)
+    model = case.make()
+    ref = copy.deepcopy(model)
+    batches = [case.batch(8, torch.Generator().manual_seed(r)) for r in range(world)]
+    pm = partita.parallelize(model, loss_fn=loss_fn, **plan_args)
+    args, _, target = batches[rank]
+    with torch.no_grad():
+        got = pm(*args, target)
+        whole = loss_fn(ref(*(torch.cat(parts) for parts in zip(*(b[0] for b in batches)))),
+                        torch.cat([b[2] for b in batches]))
+    return {"loss": float(got), "one_process": float(whole), "plan": _summary(pm.plan)}
 
 
 class _SlowLoss(torch.nn.Module):

@@ -85,21 +85,22 @@ COMBINATIONS = ("mean", "sum", "neither")  # what `rows_combination` may find, i
 ROWS_RTOL = 1e-4  # relative: float32 sums of the same rows in another order differ by about 1e-6
 
 
-def rows_combination(loss_fn: Callable, out, target: torch.Tensor) -> str | None:
-    """How `loss_fn` combines the rows of this batch, from its values on the whole and on each half, computed as
-    the caller computes the loss (its autocast; without gradients, on views: no copy of the outputs): "mean",
-    "sum", "neither" (e.g. a mean over the tokens that ignore_index keeps, or class weights), or None where this
-    batch cannot tell (one row, a loss of 0, outputs whose dim 0 is not the rows, a loss_fn that refuses half
-    the rows)."""
+def rows_combination(loss_fn: Callable, out, target: torch.Tensor, whole: torch.Tensor) -> str | None:
+    """How `loss_fn` combines the rows of this batch, from its value on the batch (`whole`, as the call computed
+    it) and on each half, computed likewise (the caller's autocast; without gradients, on views of the outputs,
+    with the random streams as they were): "mean", "sum", "neither" (e.g. a mean over the tokens that
+    ignore_index keeps, or class weights), or None where this batch cannot tell (one row, a loss of 0, outputs
+    whose dim 0 is not the rows, a loss_fn that refuses half the rows)."""
     rows = target.shape[0] if isinstance(target, torch.Tensor) and target.dim() else 0
     leaves = [t for t in torch.utils._pytree.tree_leaves((out, target)) if isinstance(t, torch.Tensor)]
     if rows < 2 or any(t.dim() == 0 or t.shape[0] != rows for t in leaves):
         return None
     half = rows // 2
-    values = []
+    values = [whole]
     try:
-        with torch.no_grad():
-            for start, stop in ((0, rows), (0, half), (half, rows)):
+        devices = [target.device.index or 0] if target.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            for start, stop in ((0, half), (half, rows)):
                 args = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach()[start:stop],
                                                          (out, target))
                 values.append(loss_fn(*args))
@@ -107,14 +108,15 @@ def rows_combination(loss_fn: Callable, out, target: torch.Tensor) -> str | None
         return None
     if any(not isinstance(v, torch.Tensor) or v.numel() != 1 or not v.is_floating_point() for v in values):
         return None
-    # a loss computed in bfloat16 or float16 rounds each of the three values
-    rtol = max(ROWS_RTOL, *(4 * torch.finfo(v.dtype).eps for v in values))
-    whole, first, second = (float(v) for v in values)
-    scale = max(abs(whole), abs(first), abs(second))
+    # outputs or a loss in bfloat16 or float16 round what the three values are made of
+    floats = [t.dtype for t in leaves + values if t.is_floating_point()]
+    rtol = max(ROWS_RTOL, *(4 * torch.finfo(dtype).eps for dtype in floats))
+    whole_s, first, second = (float(v) for v in values)
+    scale = max(abs(whole_s), abs(first), abs(second))
     if not math.isfinite(scale) or scale == 0.0:
         return None
-    as_mean = abs(whole - (half * first + (rows - half) * second) / rows) <= rtol * scale
-    as_sum = abs(whole - (first + second)) <= rtol * scale
+    as_mean = abs(whole_s - (half * first + (rows - half) * second) / rows) <= rtol * scale
+    as_sum = abs(whole_s - (first + second)) <= rtol * scale
     if as_mean and as_sum:
         return None
     return "mean" if as_mean else "sum" if as_sum else "neither"
@@ -144,15 +146,15 @@ def checked_loss(loss: Loss, found: str | None, device: torch.device) -> Loss:
     if not seen:
         if not loss.declared and speaks:
             log.warning("partita: loss_fn %s has no `reduction`, and its values on the first batch could not tell: "
-                        "partita takes it as a mean over rows. If it sums, set loss_fn.reduction = 'sum' (a function "
-                        "is an object: the attribute sticks)", name)
+                        "partita takes it as a mean over rows. If it sums, set loss_fn.reduction = 'sum' before "
+                        "parallelize() (a function is an object: the attribute sticks)", name)
         return dataclasses.replace(loss, checked=True)
     (shown,) = seen
     if loss.declared and shown != loss.reduction:
         raise PlanError(f"loss_fn {name} has reduction={loss.reduction!r}, but its values are a {shown} over the "
                         f"batch's rows (its value on a batch is the {shown} of its values on the two halves): "
                         f"partita would combine the micro-batches' and ranks' losses as a {loss.reduction}, off by "
-                        f"their number. Set loss_fn.reduction = {shown!r}")
+                        f"their number. Set loss_fn.reduction = {shown!r} before parallelize()")
     if not loss.declared and speaks:
         log.info("partita: loss_fn %s has no `reduction`; its values on the first batch are a %s over rows, and "
                  "partita combines micro-batches and ranks so", name, shown)

@@ -60,7 +60,7 @@ class DataParallel(Runtime):
             # under autocast too, as a one-process loop computes it (precision.py)
             value = self.loss.fn(out, call.target) if self.loss is not None else None
             check = self.loss is not None and not self.loss.checked and self.world_size > 1
-            found = rows_combination(self.loss.fn, out, call.target) if check else None
+            found = rows_combination(self.loss.fn, out, call.target, value) if check else None
         rows = call.rows
         if check:
             self.loss = checked_loss(self.loss, found, self.device)

@@ -68,8 +68,10 @@ class PipelineParallel(Runtime):
         # eval mode changes what modules compute, not whether gradients flow: as in torch, grad mode decides
         if self.loss is not None and torch.is_grad_enabled():
             result, self.loss = engine.train_step(call.tensors, call.target, self.loss, call.rows)
-            return result
-        return engine.forward(call.tensors, call.target, self.loss, torch.is_grad_enabled(), call.rows)
+        else:
+            result, self.loss = engine.forward(call.tensors, call.target, self.loss, torch.is_grad_enabled(),
+                                               call.rows)
+        return result
 
     def executed(self) -> list[Action]:
         """The compute actions the last call ran on this rank, in order."""

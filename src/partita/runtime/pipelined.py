@@ -70,6 +70,8 @@ class Engine:
                  anchor: torch.Tensor, sharded: ShardedUnits):
         self.cap = cap
         self.sharded = sharded
+        # the check of how the loss combines rows, in the call under way (`_start_rows_check`)
+        self._rows_check, self._rows_found = False, None
         self.place = place
         self.grads = grads
         self.anchor = anchor
@@ -177,17 +179,15 @@ class Engine:
         self._sync_buffers()
 
         scale = self._scale()
-        combines = plan.micro_batches > 1 or plan.num_replicas > 1
-        found: list[str | None] = []  # how the loss combines the rows of the first micro-batch (last stage)
+        self._start_rows_check(loss)
 
         def stage_loss(flat_out, tgt):
-            # the pipeline keeps the first call's function: it reads the scale of the call it runs in; under
-            # autocast, on the last stage's outputs as they are (precision.py)
+            # the pipeline keeps the first call's function: it reads the scale and the check of the call it runs
+            # in; under autocast, on the last stage's outputs as they are (precision.py)
             out = self._unflatten(list(flat_out))
             with autocast(plan.precision, p.device):
                 value = loss.fn(out, tgt)
-                if combines and not loss.checked and not found:
-                    found.append(rows_combination(loss.fn, out, tgt))
+                self._note_rows(loss.fn, out, tgt, value)
             return value * self._scale()
 
         pipe = self._pipeline(micro_batch_rows, True, stage_loss)
@@ -196,8 +196,7 @@ class Engine:
         saved = self.grads.stash()
         losses = pipe.step(tuple(inputs or ()), target_rows[0] if target_rows else None)
         gradients = self.grads.take(saved)
-        if combines and not loss.checked:
-            loss = checked_loss(loss, found[0] if found else None, p.device)
+        loss = self._rows_checked(loss)
         mean = loss.reduction == "mean"
         denominator = plan.num_replicas * plan.micro_batches if mean else 1
         total = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=p.device)
@@ -208,9 +207,28 @@ class Engine:
                               value.to(_loss_dtype(losses, value)), self.loss_scale)
         return _Loss.apply(step, self.anchor, *users), loss
 
+    def _start_rows_check(self, loss: Loss) -> None:
+        """Where micro-batches or replicas are combined and `loss` is not checked yet, this call's first loss on
+        the last stage shows how it combines rows (`batch.rows_combination`)."""
+        self._rows_check = (self.plan.micro_batches > 1 or self.plan.num_replicas > 1) and not loss.checked
+        self._rows_found = None
+
+    def _note_rows(self, loss_fn, out, target: torch.Tensor, value: torch.Tensor) -> None:
+        if self._rows_check:
+            self._rows_check = False
+            self._rows_found = rows_combination(loss_fn, out, target, value)
+
+    def _rows_checked(self, loss: Loss) -> Loss:
+        """`loss` as every rank's check showed it (every rank calls this after the pipeline, at the same call)."""
+        if loss.checked or not (self.plan.micro_batches > 1 or self.plan.num_replicas > 1):
+            return loss
+        return checked_loss(loss, self._rows_found, self.place.device)
+
     # ---- everything else: forward now, backward (if any) when the user's loss gets here ----------
     def forward(self, tensors: list[torch.Tensor], target: torch.Tensor | None, loss: Loss | None, grad: bool,
-                rows: tuple[int, ...]):
+                rows: tuple[int, ...]) -> tuple[object, Loss | None]:
+        """The call's result (with `loss`: the global batch's loss, without gradients; else the outputs), and
+        `loss`, checked on its first call where micro-batches or replicas are combined."""
         local, micro_batch_rows = self._sizes(rows)
         p, plan = self.place, self.plan
         self._sync_buffers()
@@ -231,21 +249,28 @@ class Engine:
             return self._eval_loss(outs, target_rows, loss)
         leaves = self._route_outputs(outs, local)
         if not has_backward:
-            return self._unflatten(leaves)
+            return self._unflatten(leaves), loss
         users = [t for k, t in enumerate(tensors) if t.requires_grad and k in self.stage0_inputs]
         run = _PendingBackward(self, pipe, outs, inputs, tensors, leaves)
         result = _Outputs.apply(run, self.anchor, *users)
-        return self._unflatten(list(result))
+        return self._unflatten(list(result)), loss
 
-    def _eval_loss(self, outs, target_rows, loss: Loss):
+    def _eval_loss(self, outs, target_rows, loss: Loss) -> tuple[torch.Tensor, Loss]:
         p, plan = self.place, self.plan
+        self._start_rows_check(loss)
         total = torch.zeros((), device=p.device)
         if outs is not None:
             targets = _split_rows(target_rows[0], plan.micro_batches)
+            values = []
             with torch.no_grad():
-                total = sum(loss.fn(self._unflatten(list(o)), t).float() for o, t in zip(outs, targets))
+                for o, t in zip(outs, targets):
+                    out = self._unflatten(list(o))
+                    values.append(loss.fn(out, t))
+                    self._note_rows(loss.fn, out, t, values[-1])
+            total = sum(v.float() for v in values)
+        loss = self._rows_checked(loss)
         total = self._global_sum(total.detach().reshape(()).clone())
-        return total / (plan.num_replicas * plan.micro_batches) if loss.reduction == "mean" else total
+        return (total / (plan.num_replicas * plan.micro_batches) if loss.reduction == "mean" else total), loss
 
     def _route_outputs(self, outs, local_rows: int) -> list[torch.Tensor]:
         """Each rank's rows of every batched output; scalar outputs as their global mean."""

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from partita.plan.plan import Plan
 from partita.runtime import agreement
-from partita.runtime.batch import Call
+from partita.runtime.batch import Call, Loss
 from partita.runtime.optim import converted_state, patch_optimizer, unpatch_optimizer
 from partita.runtime.ownership import Ownership, named_state
 from partita.runtime.precision import LossScale
@@ -90,6 +90,7 @@ class Runtime:
         # parameter (first name) -> the replica of its stage that keeps its optimizer state, where sharded
         self.keepers: dict[str, int] = {}
         self.loss_scale: LossScale | None = None  # float16's (precision.py)
+        self.loss: Loss | None = None  # partita's loss (loss_fn), as checked on the first call (batch.checked_loss)
         self.sharding: OptimizerSharding | None = None  # ZeRO-1's step hooks, where the plan shards optimizer state
 
     def __call__(self, call: Call):
