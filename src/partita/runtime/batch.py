@@ -65,7 +65,7 @@ class Loss:
     fn: Callable
     reduction: str  # "mean" or "sum"
     declared: bool = True  # loss_fn's own `reduction` says it (a plain function does not: taken as a mean)
-    checked: bool = False  # the first training call's values showed whether it combines rows so (`checked_loss`)
+    checked: bool = False  # the first call that combines showed whether its values combine rows so (`checked_loss`)
 
 
 def loss_of(loss_fn: Callable | None) -> Loss | None:
@@ -123,7 +123,7 @@ def rows_combination(loss_fn: Callable, out, target: torch.Tensor, whole: torch.
 
 
 def checked_loss(loss: Loss, found: str | None, device: torch.device) -> Loss:
-    """`loss` once every rank showed how it combines rows on its first training call (`found`: this rank's
+    """`loss` once every rank showed how it combines rows on the first call that combines (`found`: this rank's
     `rows_combination`, None where it computed none or could not tell). partita combines the losses of
     micro-batches and ranks by rows: a plain function takes what its values show; a loss that says one reduction
     and shows the other would be off by the micro-batches times the replicas, an error on every rank; one that

@@ -207,10 +207,15 @@ class Engine:
                               value.to(_loss_dtype(losses, value)), self.loss_scale)
         return _Loss.apply(step, self.anchor, *users), loss
 
+    @property
+    def _combines_rows(self) -> bool:
+        """Whether a call's loss is combined from several (micro-batches or replicas) by rows."""
+        return self.plan.micro_batches > 1 or self.plan.num_replicas > 1
+
     def _start_rows_check(self, loss: Loss) -> None:
         """Where micro-batches or replicas are combined and `loss` is not checked yet, this call's first loss on
         the last stage shows how it combines rows (`batch.rows_combination`)."""
-        self._rows_check = (self.plan.micro_batches > 1 or self.plan.num_replicas > 1) and not loss.checked
+        self._rows_check = self._combines_rows and not loss.checked
         self._rows_found = None
 
     def _note_rows(self, loss_fn, out, target: torch.Tensor, value: torch.Tensor) -> None:
@@ -220,7 +225,7 @@ class Engine:
 
     def _rows_checked(self, loss: Loss) -> Loss:
         """`loss` as every rank's check showed it (every rank calls this after the pipeline, at the same call)."""
-        if loss.checked or not (self.plan.micro_batches > 1 or self.plan.num_replicas > 1):
+        if loss.checked or not self._combines_rows:
             return loss
         return checked_loss(loss, self._rows_found, self.place.device)
 
