@@ -189,7 +189,7 @@ class ParallelModule(nn.Module):
         # the capture's engine is keyed by the first call's signature; DDP settles its buckets with this call's
         first = dataclasses.replace(call, signature=signature)
         world = env.world()
-        # the loss as the runtime before checked it (batch.checked_loss): a new layout combines it the same way
+        # the loss as the runtime before this one checked it (batch.checked_loss): a new layout combines it so too
         loss = self._runtime.loss if self._runtime is not None else self._loss
         self._runtime = build_runtime(self.module, cap, self._graph, plan, first, loss=loss,
                                       optimizer=self._optimizer, rank=world.rank, world_size=world.world_size,
