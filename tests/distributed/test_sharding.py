@@ -2,7 +2,12 @@
 process (fp32, rtol 1e-5): gradients, parameters and the gathered optimizer state, with SGD momentum and
 Adam, under data parallelism and pipelines with replicas, tied weights included."""
 
+import json
+from pathlib import Path
+
 import pytest
+
+from partita.checkpoint.manifest import read_manifest
 
 from test_checkpoint import CASE, TWO_BY_TWO, check_resumed
 from test_fidelity import check, fidelity
@@ -105,4 +110,48 @@ def test_checkpoints_across_fsdp_levels(pools, tmp_path, saved_level, world, pla
     the next losses the saving run's."""
     saved = pools.run(4, f"{CASE}:train_and_save", "gpt", str(tmp_path), {**TWO_BY_TWO, "sharding": saved_level})
     loaded = pools.run(world, f"{CASE}:load_and_continue", "gpt", str(tmp_path), plan)
+    check_resumed(loaded, saved)
+
+
+@pytest.mark.parametrize("world,options,levels", [
+    (4, {"stages": 2, "micro_batches": 2, "schedule": "GPipe"}, ("optimizer", "parameters")),
+    (4, {"stages": 2, "micro_batches": 2, "schedule": "1F1B"}, ("gradients", "optimizer")),
+    (2, {"stages": 2, "micro_batches": 2, "schedule": "Interleaved1F1B"}, ("parameters", "optimizer")),
+], ids=["zero1-then-zero3", "zero2-then-zero1", "looped-zero3-then-zero1"])
+def test_stages_with_different_sharding_levels(pools, tmp_path, world, options, levels):
+    """The planner chooses each stage's level: ZeRO-1 on one stage beside FSDP's on another trains as one process
+    (a measured first call planned such a layout for a MoE model on 2 ranks, and ZeRO-1 took FSDP's shards for
+    its own)."""
+    planned = json.loads(fidelity(pools, world, "mlp", sharding="optimizer", steps=1, **options)["plan_json"])
+    path = with_levels(planned, levels, tmp_path / "plan.json")
+    results = pools.run(world, "support.cases:fidelity", "mlp", plan=str(path))
+    check(results)
+    assert [s["sharding"] for s in json.loads(results[0]["plan_json"])["stages"]] == list(levels)
+    # FSDP's stage holds DTensor shards, ZeRO-1's whole parameters
+    assert any(x["sharded_params"][0] > 0 for x in results)
+    assert any(x["sharded_params"][0] < x["sharded_params"][1] for x in results)
+
+
+def with_levels(plan: dict, levels: tuple[str, ...], path: Path) -> Path:
+    """`plan` (its JSON form) with each stage's sharding level replaced, written to `path`."""
+    for stage, level in zip(plan["stages"], levels):
+        stage["sharding"] = level
+    path.write_text(json.dumps(plan))
+    return path
+
+
+@pytest.mark.parametrize("world,plan", [
+    (2, {"stages": 1, "micro_batches": 1, "sharding": "none"}),
+    (4, {**TWO_BY_TWO, "sharding": "parameters"}),
+], ids=["to-2-ranks-unsharded", "to-2x2-zero3"])
+def test_checkpoints_of_stages_with_different_sharding_levels(pools, tmp_path, world, plan):
+    """Saved by 2 stages x 2 replicas, ZeRO-1 on the first stage and ZeRO-3 on the second; loaded under
+    another layout: parameters and Adam state equal the saved ones exactly, and the next losses the saving
+    run's."""
+    pools.run(4, f"{CASE}:train_and_save", "gpt", str(tmp_path / "first"), {**TWO_BY_TWO, "sharding": "optimizer"},
+              steps=1, more=0)
+    planned = read_manifest(next((tmp_path / "first").glob("step-*"))).plan
+    mixed = {"plan": str(with_levels(planned, ("optimizer", "parameters"), tmp_path / "plan.json"))}
+    saved = pools.run(4, f"{CASE}:train_and_save", "gpt", str(tmp_path / "mixed"), mixed)
+    loaded = pools.run(world, f"{CASE}:load_and_continue", "gpt", str(tmp_path / "mixed"), plan)
     check_resumed(loaded, saved)

@@ -3,6 +3,7 @@ which (`reduction`); a plain function says nothing, and the first training call'
 taken for a mean would be off by the micro-batches times the replicas, silently)."""
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -72,6 +73,16 @@ def test_the_values_of_a_batch_and_its_halves_show_a_mean_a_sum_or_neither():
     # class weights make a weighted mean
     weighted = torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 5.0, 0.2]))
     assert combination(weighted, torch.randn(8, 3), torch.tensor([0, 1, 2, 0, 1, 2, 2, 2])) == "neither"
+
+
+def test_judging_a_loss_that_trains_warns_of_nothing():
+    """The runtimes pass the batch's own loss, which requires gradients (torch warns where such a tensor is
+    read as a number: that would reach every rank's log)."""
+    out, target = _batch()
+    out.requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert combination(torch.nn.MSELoss(), out, target) == "mean"
 
 
 def test_what_a_batch_cannot_tell_is_left_open():

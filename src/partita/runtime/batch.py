@@ -111,7 +111,7 @@ def rows_combination(loss_fn: Callable, out, target: torch.Tensor, whole: torch.
     # outputs or a loss in bfloat16 or float16 round what the three values are made of
     floats = [t.dtype for t in leaves + values if t.is_floating_point()]
     rtol = max(ROWS_RTOL, *(4 * torch.finfo(dtype).eps for dtype in floats))
-    whole_s, first, second = (float(v) for v in values)
+    whole_s, first, second = (float(v.detach()) for v in values)
     scale = max(abs(whole_s), abs(first), abs(second))
     if not math.isfinite(scale) or scale == 0.0:
         return None

@@ -38,7 +38,7 @@ def state_keepers(plan: Plan, stage_params: dict[int, set[str]], params: dict[st
             readers[name] = readers.get(name, 0) + 1
     keepers: dict[str, int] = {}
     for stage in plan.stages:
-        if stage.sharding == "none" or len(stage.ranks) == 1:
+        if stage.sharding != "optimizer" or len(stage.ranks) == 1:  # FSDP's levels shard the state by themselves
             continue
         mine = [n for n in stage_params.get(stage.index, ()) if readers[n] == 1 and params[n].requires_grad]
         kept = {r: 0 for r in stage.ranks}
