@@ -1,30 +1,26 @@
 """What every launcher test shares: the training script, its environment, and the check of its losses."""
 
-import atexit
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from launch.reference import reference_losses
 from launch.train_script import STEPS
+from support.session import cache_dir
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 PYTHON = sys.executable
 SCRIPT = str(HERE / "train_script.py")
-CACHE_DIR = tempfile.mkdtemp(prefix="partita-launch-cache-")  # block costs measured by the session's first job
-atexit.register(shutil.rmtree, CACHE_DIR, True)
 
 
 def env(**extra) -> dict:
     """The test's environment for a launched job: short timeouts, one thread per rank, partita importable, no
     writes to the user's cache."""
-    e = dict(os.environ, OMP_NUM_THREADS="1", PARTITA_TIMEOUT_S="60", PARTITA_CACHE_DIR=CACHE_DIR,
+    e = dict(os.environ, OMP_NUM_THREADS="1", PARTITA_TIMEOUT_S="60", PARTITA_CACHE_DIR=cache_dir(),
              RAY_AUTH_MODE="disabled")
     e.update(extra)
     e["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1] / "src"), e.get("PYTHONPATH", "")])

@@ -157,7 +157,7 @@ def test_nodes_that_join_and_leave_resize_a_running_job(start, tmp_path):
     logs = rank0_logs(tmp_path / "logs-a") + rank0_logs(tmp_path / "logs-b")
     for before, after in ((2, 4), (4, 2)):
         assert f"the world changed from {before} to {after} rank(s), so the model is planned again" in logs, logs
-    # planned from the costs the session's first launched job measured (harness.CACHE_DIR): on a loaded machine a
+    # planned from the costs the session's first job measured (support.session.cache_dir): on a loaded machine a
     # pipeline of 2 stages may win over data parallelism, and either is right
     check(tmp_path, 2, len(by_step(losses(tmp_path))), stages=None)
 

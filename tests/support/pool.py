@@ -15,14 +15,14 @@ import multiprocessing as mp
 import os
 import socket
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
+from support.session import cache_dir
+
 ROOT = Path(__file__).resolve().parents[2]
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining", "torch.export", "partita"]
-CACHE_DIR = tempfile.mkdtemp(prefix="partita-test-cache-")  # measurements shared by the tests of one session
 
 
 def free_port() -> int:
@@ -76,7 +76,7 @@ class Pool:
         ctx.set_forkserver_preload(PRELOAD)
         port = free_port()
         env = {"OMP_NUM_THREADS": "1", "PARTITA_TIMEOUT_S": str(timeout_s), "PYTHONPATH": str(ROOT / "src"),
-               "TRANSFORMERS_VERBOSITY": "error", "PARTITA_LOG": "off", "PARTITA_CACHE_DIR": CACHE_DIR}
+               "TRANSFORMERS_VERBOSITY": "error", "PARTITA_LOG": "off", "PARTITA_CACHE_DIR": cache_dir()}
         self.conns, self.procs = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
