@@ -113,18 +113,21 @@ def test_checkpoints_across_fsdp_levels(pools, tmp_path, saved_level, world, pla
     check_resumed(loaded, saved)
 
 
-@pytest.mark.parametrize("world,options,levels", [
-    (4, {"stages": 2, "micro_batches": 2, "schedule": "GPipe"}, ("optimizer", "parameters")),
-    (4, {"stages": 2, "micro_batches": 2, "schedule": "1F1B"}, ("gradients", "optimizer")),
-    (2, {"stages": 2, "micro_batches": 2, "schedule": "Interleaved1F1B"}, ("parameters", "optimizer")),
-], ids=["zero1-then-zero3", "zero2-then-zero1", "looped-zero3-then-zero1"])
-def test_stages_with_different_sharding_levels(pools, tmp_path, world, options, levels):
+@pytest.mark.parametrize("world,name,options,levels", [
+    (4, "mlp", {"stages": 2, "micro_batches": 2, "schedule": "GPipe"}, ("optimizer", "parameters")),
+    (4, "mlp", {"stages": 2, "micro_batches": 2, "schedule": "1F1B"}, ("gradients", "optimizer")),
+    (2, "mlp", {"stages": 2, "micro_batches": 2, "schedule": "Interleaved1F1B"}, ("parameters", "optimizer")),
+    (4, "tied_embedding", {"stages": 2, "micro_batches": 2, "schedule": "1F1B"}, ("parameters", "optimizer")),
+    (4, "tied_embedding", {"stages": 2, "micro_batches": 2, "schedule": "1F1B"}, ("gradients", "none")),
+], ids=["zero1-then-zero3", "zero2-then-zero1", "looped-zero3-then-zero1", "tied-zero3-then-zero1",
+        "tied-zero2-then-none"])
+def test_stages_with_different_sharding_levels(pools, tmp_path, world, name, options, levels):
     """The planner chooses each stage's level: ZeRO-1 on one stage beside FSDP's on another trains as one process
     (a measured first call planned such a layout for a MoE model on 2 ranks, and ZeRO-1 took FSDP's shards for
     its own)."""
-    planned = json.loads(fidelity(pools, world, "mlp", sharding="optimizer", steps=1, **options)["plan_json"])
+    planned = json.loads(fidelity(pools, world, name, sharding="optimizer", steps=1, **options)["plan_json"])
     path = with_levels(planned, levels, tmp_path / "plan.json")
-    results = pools.run(world, "support.cases:fidelity", "mlp", plan=str(path))
+    results = pools.run(world, "support.cases:fidelity", name, plan=str(path))
     check(results)
     assert [s["sharding"] for s in json.loads(results[0]["plan_json"])["stages"]] == list(levels)
     # FSDP's stage holds DTensor shards, ZeRO-1's whole parameters
