@@ -1,6 +1,7 @@
 """Training across processes equals training in one process (fp32, rtol 1e-5, atol 1e-6)."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -313,3 +314,15 @@ def test_load_state_dict_with_assign_copies_into_the_tensors_partita_holds(pools
     loaded = ("loaded param",) if build == "cpu" else ("initial",)
     r = fidelity(pools, 2, "mlp", *loaded, load_at=load_at, assign=True, build=build, **plan)
     assert r["plan"][:3] == (plan["stages"], 2 // plan["stages"], plan["micro_batches"])
+
+
+@pytest.mark.parametrize("name,world,options", [
+    ("gpt", 2, {"stages": 2, "micro_batches": 2, "schedule": "1F1B"}),
+    ("hf_gpt2", 4, {"stages": 2, "micro_batches": 2, "schedule": "GPipe"}),
+    ("hf_llama", 2, {"stages": 2, "micro_batches": 4, "schedule": "Interleaved1F1B"}),
+])
+def test_recomputed_stages_equal_one_process(pools, name, world, options):
+    """Every stage runs its forward again in the backward (what a measured plan chooses under memory pressure),
+    rotary and attention-mask buffers included."""
+    r = fidelity(pools, world, name, recompute=True, **options)
+    assert all(s["recompute"] for s in json.loads(r["plan_json"])["stages"])
