@@ -88,6 +88,9 @@ class StageGraph:
     outputs: list[str]  # value names sent on (last stage: the model's tensor output leaves)
     parameters: dict[str, str]  # attribute name in `module` -> FQN of the user's parameter
     written_buffers: list[str]  # attribute names of buffers the stage updates in place (BatchNorm statistics)
+    # torch's split backward (zero-bubble schedules: input gradients first, weight gradients later) finds every
+    # weight gradient of the stage (`weights_meet_inputs`); where not, the stage runs its whole backward at once
+    weights_meet_inputs: bool = True
 
 
 def _is_tensor_value(node: fx.Node) -> bool:
@@ -298,7 +301,30 @@ def _build(cap, s, nodes, inputs, outputs, kinds, substitute, is_last) -> StageG
     graph.output(tuple(results))
     graph.eliminate_dead_code()
     module = fx.GraphModule(attrs, graph, class_name=f"Stage{s}")
-    return StageGraph(s, module, list(inputs), list(outputs), parameters, sorted(set(written)))
+    return StageGraph(s, module, list(inputs), list(outputs), parameters, sorted(set(written)),
+                      _weights_meet_inputs(cap, nodes, inputs, outputs))
+
+
+def _weights_meet_inputs(cap: CapturedGraph, nodes: list[fx.Node], inputs: list[str], outputs: list[str]) -> bool:
+    """Whether every differentiable path from a parameter of the stage to its outputs meets a value computed
+    from a stage input that needs a gradient.
+
+    torch's split backward computes the input gradients first and keeps the gradients of the values where the
+    parameters' paths join the inputs' ones; the weight gradients come later from those alone. A path that
+    never joins (a stage whose inputs need no gradient, as token ids after a stage without parameters; a
+    branch computed from such inputs only) gives its parameters no gradient, silently."""
+    needs = cap.requires_grad
+    from_inputs = {name for name in inputs if needs.get(name, False)}
+    from_weights = {name for name in cap.parameters if cap.tensor(name).requires_grad}
+    for node in nodes:
+        # a tuple-valued op has no flag of its own: its elements (getitem) carry theirs
+        differentiable = needs.get(node.name, True)
+        read = {a.name for a in node.all_input_nodes}
+        if differentiable and read & from_inputs:
+            from_inputs.add(node.name)
+        elif differentiable and read & from_weights:
+            from_weights.add(node.name)
+    return not from_weights.intersection(outputs)
 
 
 def _contiguous(val: torch.Tensor) -> bool:

@@ -35,6 +35,7 @@ from partita.runtime.precision import LowPrecision
 from partita.runtime.torch_stage import VersionedStage, prepare_for_schedule, prepare_static
 from partita.schedule import Action, orders
 from partita.schedule.action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
+from partita.schedule.catalog import SPLIT_BACKWARD_SCHEDULES
 
 class RecordingStage(VersionedStage):
     """A PipelineStage that notes every compute action it runs in `executed` (a list its rank's stages share).
@@ -42,13 +43,23 @@ class RecordingStage(VersionedStage):
     `gathered_for_step`: FSDP units whose parameters stay gathered from the stage's first forward to its last
     backward of a step (sharding "gradients"): partita's modules call them, so torch's stage, which handles
     only a stage module that is itself FSDP's, leaves them to this stage. `grads` learns which backward is the
-    stage's last of the step, whose gradients are final (torch's schedules say so: `last_backward`)."""
+    stage's last of the step, whose gradients are final (torch's schedules say so: `last_backward`).
 
-    def __init__(self, *args, executed: list[Action], gathered_for_step: list, grads: GradSync, **kwargs):
+    `whole_backward`: under zero-bubble schedules the stage computes its weight gradients with its input
+    gradients, in the input half (I), and nothing in the weight half (W): torch's split backward would find
+    none of them for a stage whose parameters' paths never join its inputs' (`StageGraph.weights_meet_inputs`;
+    torch runs its first stage's backward whole in W for the same reason, a later stage it does not check). The
+    simulator still times such a stage's halves as split: its weight work runs earlier than simulated, not
+    longer."""
+
+    def __init__(self, *args, executed: list[Action], gathered_for_step: list, grads: GradSync,
+                 whole_backward: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.executed = executed
         self.gathered_for_step = gathered_for_step
         self.grads = grads
+        self.whole_backward = whole_backward
+        self._done_whole: set[int] = set()  # micro-batches whose W ran with their I
 
     def _reshard_after(self, last_backward: bool) -> None:
         for unit in self.gathered_for_step:
@@ -62,6 +73,9 @@ class RecordingStage(VersionedStage):
         op = FULL_BACKWARD if full_backward else BACKWARD_INPUT
         self.executed.append(Action(self.stage_index, op, bwd_chunk_id))
         self._reshard_after(last_backward)
+        if not full_backward and self.whole_backward:
+            self._done_whole.add(bwd_chunk_id)
+            full_backward = True
         with self._final(last_backward and full_backward):
             return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                               last_backward=last_backward)
@@ -69,6 +83,9 @@ class RecordingStage(VersionedStage):
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
         self.executed.append(Action(self.stage_index, BACKWARD_WEIGHT, bwd_chunk_id))
         with self._final(last_backward):
+            if bwd_chunk_id in self._done_whole:
+                self._done_whole.discard(bwd_chunk_id)
+                return None
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
     def _final(self, last_backward: bool) -> contextlib.AbstractContextManager:
@@ -84,6 +101,23 @@ class Recomputed(torch.nn.Module):
 
     def forward(self, *args):
         return torch.utils.checkpoint.checkpoint(self.stage, *args, use_reentrant=False)
+
+
+class DetachableOutputs(torch.nn.Module):
+    """A stage whose outputs are tensors of their own: torch's split backward (zero-bubble schedules) detaches
+    a stage's outputs in place once their input gradients are computed, which autograd refuses for a view (a
+    stage sending on a reshaped tensor) and which breaks the weight half for an output its op saved (tanh's,
+    softmax's). Each output becomes a new tensor over the same memory (not a view to autograd): nothing is
+    copied."""
+
+    def __init__(self, stage: torch.nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args):
+        out = self.stage(*args)
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: torch.ops.aten._unsafe_view(t, t.shape), out)
 
 
 def _static_shapes(cap: CapturedGraph, names: list[str], micro_batch_rows: int) -> tuple:
@@ -121,11 +155,14 @@ class Pipeline:
                 module = LowPrecision(module, plan.precision, device, None if keeps else [t.dtype for t in outputs])
             if plan.stages[index].recompute:
                 module = Recomputed(module)
+            if plan.schedule in SPLIT_BACKWARD_SCHEDULES and index < plan.num_stages - 1:
+                module = DetachableOutputs(module)
             stage = RecordingStage(module, index, plan.num_stages, device,
                                    input_args=_static_shapes(cap, g.inputs, micro_batch_rows),
                                    output_args=outputs, group=group, executed=self.executed,
                                    gathered_for_step=sharded.of_stage(index)
-                                   if sharded.levels.get(index) == "gradients" else [], grads=grads)
+                                   if sharded.levels.get(index) == "gradients" else [], grads=grads,
+                                   whole_backward=index > 0 and not g.weights_meet_inputs)
             stage.stage_index_to_group_rank = dict(position)
             self.stages.append(stage)
         self.by_index = {s.stage_index: s for s in self.stages}
