@@ -334,13 +334,15 @@ def test_recomputed_stages_equal_one_process(pools, name, world, options):
     ("hf_gpt2", 2, {"stages": 4, "micro_batches": 2, "schedule": "InterleavedZeroBubble"}),
     ("gpt", 4, {"stages": 4, "micro_batches": 4, "schedule": "ZBVZeroBubble"}),
     ("hf_llama", 2, {"stages": 4, "micro_batches": 4, "schedule": "DualPipeV"}),
+    ("forkjoin", 2, {"stages": 4, "micro_batches": 2, "schedule": "InterleavedZeroBubble"}),
 ], ids=["gpt2-inputs-without-gradient", "bert-inputs-without-gradient", "gpt2-views-sent-on", "gpt-replicated",
-        "llama-dualpipev"])
+        "llama-dualpipev", "strided-input-gradients"])
 def test_zero_bubble_schedules_on_models_nobody_here_wrote(pools, name, world, options):
     """Schedules that split each backward into its input and weight halves. The first two plans give stage 0
     only the reshaping of the token ids (no parameters): stage 1's inputs need no gradient, and torch's weight
     half found none of its weights' gradients (they stayed None); the others send views and outputs that their
-    ops saved on to the next stage, which torch's input half detaches in place (autograd refused)."""
+    ops saved on to the next stage, which torch's input half detaches in place (autograd refused); the fork-join
+    model's input gradients come back strided, which a send refuses."""
     r = fidelity(pools, world, name, **options)
     planned = json.loads(r["plan_json"])
     assert planned["schedule"] == options["schedule"]

@@ -78,6 +78,15 @@ def test_zero3_on_models_nobody_here_wrote(pools, name):
     fidelity(pools, 2, name, "eval", stages=1, micro_batches=1, sharding="parameters", eval_batch=4)
 
 
+@pytest.mark.parametrize("world,options", [(4, {"stages": 1, "micro_batches": 1}),
+                                           (4, {"stages": 2, "micro_batches": 2, "schedule": "1F1B"})])
+def test_zero1_on_a_model_nobody_here_wrote(pools, world, options):
+    """HF GPT-2's embedding is tied to its head, and its graph knows it by the head's name (lm_head.weight):
+    the optimizer's whole state (under the embedding's name, its first) must come from the replica that keeps
+    it."""
+    fidelity(pools, world, "hf_gpt2", sharding="optimizer", **options)
+
+
 def test_tied_weights_with_sharding(pools):
     r = fidelity(pools, 4, "tied_embedding", stages=2, micro_batches=2, sharding="optimizer")
     assert r["plan"][:2] == (2, 2)

@@ -88,6 +88,15 @@ class RecordingStage(VersionedStage):
                 return None
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        # the input half's gradients come from autograd.grad as the ops left them (an expanded or transposed
+        # input's are strided), and a send takes contiguous tensors only; a whole backward reads them from .grad,
+        # which autograd keeps contiguous
+        grads = self.bwd_cache.get(bwd_chunk_id)
+        if grads is not None:
+            self.bwd_cache[bwd_chunk_id] = tuple(g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads)
+        return super().get_bwd_send_ops(bwd_chunk_id)
+
     def _final(self, last_backward: bool) -> contextlib.AbstractContextManager:
         return self.grads.final_backward(self.stage_index) if last_backward else contextlib.nullcontext()
 

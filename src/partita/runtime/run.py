@@ -22,7 +22,7 @@ from partita.plan.plan import Plan
 from partita.runtime import agreement
 from partita.runtime.batch import Call, Loss
 from partita.runtime.optim import converted_state, patch_optimizer, unpatch_optimizer
-from partita.runtime.ownership import Ownership, named_state
+from partita.runtime.ownership import Ownership, aliases, named_state
 from partita.runtime.precision import LossScale
 from partita.runtime.sharding import OptimizerSharding, state_keepers
 from partita.runtime.state import (broadcast_from_owners, full_value, gather_optimizer_state, landing, local_part,
@@ -87,7 +87,7 @@ class Runtime:
         self.device = device
         self.parameters = dict(module.named_parameters(remove_duplicate=False))
         self.optimizer: torch.optim.Optimizer | None = None
-        # parameter (first name) -> the replica of its stage that keeps its optimizer state, where sharded
+        # parameter (every name) -> the replica of its stage that keeps its optimizer state, where sharded
         self.keepers: dict[str, int] = {}
         self.loss_scale: LossScale | None = None  # float16's (precision.py)
         self.loss: Loss | None = None  # partita's loss (loss_fn), as checked on the first call (batch.checked_loss)
@@ -132,7 +132,11 @@ class Runtime:
 
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, stage_groups: dict) -> None:
         """Where the plan shards optimizer state (ZeRO-1), each replica of a stage keeps its share of it."""
-        self.keepers = state_keepers(self.plan, self.ownership.stage_params, self.parameters)
+        # under every name of a tied weight, as the ownership's owners: the graph knows it by one of them (HF GPT-2's
+        # embedding as lm_head.weight), the user's optimizer state by its first (transformer.wte.weight)
+        self.keepers = {alias: keeper for name, keeper in state_keepers(self.plan, self.ownership.stage_params,
+                                                                          self.parameters).items()
+                        for alias in aliases(self.parameters, name)}
         if not self.keepers:
             return
         self.optimizer = optimizer
