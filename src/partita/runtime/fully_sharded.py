@@ -26,6 +26,7 @@ shard (`shard_like`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,12 @@ from partita.plan.plan import FSDP_LEVELS, Plan
 from partita.runtime.materialize import release_freed_memory
 from partita.runtime.optim import repoint_optimizer
 from partita.runtime.state import shard_like
+
+# torch 2.13's FSDP2 warns, on every rank, of each unit that returns a view: an in-place op on it would skip the
+# unit's gathering in the backward. partita's units run pieces of the captured graph, which is functional (no
+# op writes into a value it reads), so none can; a user's own FSDP modules still warn.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDPUnit|FSDPStageRoot)\) returned a view",
+                        category=UserWarning)
 
 class Unit(nn.Module):
     """The parameters of one block, gathered by FSDP around `forward`, which runs a piece of a stage's graph
