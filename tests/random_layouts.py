@@ -5,10 +5,11 @@
 Each trial draws a world (2 or 4 ranks), a test model, a schedule, stages and micro-batches; plans with them
 fixed; then gives every stage a random sharding level and recomputation (what the planner chooses per stage
 from measurements, which differ between machines) and trains that plan against one process (support.cases:
-fidelity, fp32 rtol 1e-5), with SGD or Adam, the loss computed by partita or by the caller, and an evaluation
-call half the time. Constraints that no layout meets are skipped. Prints one line per trial and the failures;
-exits 1 if any. Not part of the suite (minutes per run): the layouts it found broken are tests of their own
-(mixed sharding levels, zero-bubble schedules on HF models, ZeRO-1 with tied weights).
+fidelity, fp32 rtol 1e-5), with SGD or Adam, the loss computed by partita or by the caller, an evaluation
+call half the time, now and then gradients accumulated over two calls or the model built on the meta device.
+Constraints that no layout meets are skipped. Prints one line per trial and the failures; exits 1 if any.
+Not part of the suite (minutes per run): the layouts it found broken are tests of their own (mixed sharding
+levels, zero-bubble schedules on HF models, ZeRO-1 with tied weights).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ def draw(rng: random.Random) -> tuple[int, str, dict, dict]:
            "style": rng.choice(["loss_fn", "outputs"]) if schedule in CALLER_LOSS or stages == 1 else "loss_fn"}
     if rng.random() < 0.5:
         run["eval_batch"] = 4
+    if rng.random() < 0.2:
+        run["accumulate"] = 2  # two calls' backwards before one optimizer step
+    if rng.random() < 0.3 and not name.startswith("hf_"):  # HF models initialize themselves (test_materialize)
+        run["build"] = "meta"
     if name == "batchnorm":
         run["statistics_replicas"] = world // depth
     return world, name, constraints, run
