@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -103,6 +104,10 @@ def main() -> int:
                 failed.append(said)
     finally:
         pools.close()
+        if failed:  # kept to replay a failing plan
+            print(f"the plans are in {folder}")
+        else:
+            shutil.rmtree(folder)
     print(f"{len(failed)} of {args.trials} failed" + "".join(f"\n  {f}" for f in failed))
     return 1 if failed else 0
 

@@ -21,6 +21,7 @@ def check(results: list[dict], *also: str, expect: tuple[str, ...] = TRAINED) ->
         for kind, v in r["diffs"].items():
             assert v["excess"] <= 0, \
                 f"rank {rank}: {kind} differs beyond tolerance at {v['worst']} (by {v['excess']:.3g})"
+        assert not r.get("warnings"), f"rank {rank} warned: {r['warnings']}"
         assert r["losses"] == results[0]["losses"], \
             f"the global loss differs between rank 0 and rank {rank}: {results[0]['losses']} vs {r['losses']}"
     return results[0]

@@ -139,9 +139,20 @@ def test_stages_with_different_sharding_levels(pools, tmp_path, world, name, opt
     results = pools.run(world, "support.cases:fidelity", name, plan=str(path))
     check(results)
     assert [s["sharding"] for s in json.loads(results[0]["plan_json"])["stages"]] == list(levels)
-    # FSDP's stage holds DTensor shards, ZeRO-1's whole parameters
-    assert any(x["sharded_params"][0] > 0 for x in results)
-    assert any(x["sharded_params"][0] < x["sharded_params"][1] for x in results)
+    stages = json.loads(results[0]["plan_json"])["stages"]
+    for stage in stages:
+        alone = [r for r in stage["ranks"] if sum(r in other["ranks"] for other in stages) == 1]
+        held = [results[r]["sharded_params"] for r in alone]
+        if stage["sharding"] in ("gradients", "parameters") and len(stage["ranks"]) > 1:
+            # FSDP's replicas hold DTensor shards of the parameters read by this stage alone (tied ones stay whole)
+            assert all(sharded > 0 for sharded, _ in held), (stage, held)
+        elif stage["sharding"] == "optimizer" and len(alone) > 1:
+            # ZeRO-1's replicas hold whole parameters and split the optimizer's state, each keeping its own part
+            # (a weight tied to another stage's is not sharded: every holder keeps its state)
+            assert all(sharded == 0 for sharded, _ in held), (stage, held)
+            tied = set().union(*(results[r]["held"] for other in stages if other is not stage for r in other["ranks"]))
+            kept = [set(results[r]["optimizer_kept"]) - tied for r in alone]
+            assert sum(map(len, kept)) == len(set().union(*kept)), (stage, kept)
 
 
 def with_levels(plan: dict, levels: tuple[str, ...], path: Path) -> Path:

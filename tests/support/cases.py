@@ -15,6 +15,7 @@ import math
 import os
 import tempfile
 import time
+import warnings
 from unittest import mock
 
 import torch
@@ -127,13 +128,7 @@ INIT_FNS = {"scaled_normal": _scaled_normal}
 # Plans here come from the device preset's estimates instead of measurements, which cost seconds per model
 # and world size: every fidelity test fixes the layout it checks. test_bad_input.py plans from measurements.
 @mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
-def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", steps: int = 3,
-             accumulate: int = 1, local_batch: int = 8, input_grad: bool = False, call_kwargs: dict | None = None,
-             lr_schedule: str | None = None, statistics_replicas: int = 1, roundtrip: dict | None = None,
-             eval_batch: int | None = None, no_grad_batch: int | None = None, reduction: str = "mean",
-             extra_rows: int = 0, build: str = "cpu", weights: str | None = None, init_fn: str | None = None,
-             load_at: int | None = None, assign: bool = False, eval_modules: tuple[str, ...] = (),
-             eval_from: int = 0, **plan_args) -> dict:
+def fidelity(name: str, **options) -> dict:
     """Train `steps` steps with partita and in one process; report the worst differences, the plans used and
     the global losses partita returned (as float.hex, to compare ranks bit for bit).
 
@@ -157,7 +152,22 @@ def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", step
         whole state dicts through load_state_dict (see _SideBySide.load), partita's with `assign`.
     eval_modules: names of modules put in eval mode on both sides from step `eval_from` on, before its call
         ("": the whole model, trained in eval mode; "bn1": a frozen BatchNorm in a training model).
+
+    The report also holds the warnings raised on this rank while both trained ("warnings").
     """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = _side_by_side(name, **options)
+    return report | {"warnings": sorted({f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught})}
+
+
+def _side_by_side(name: str, *, style: str = "loss_fn", optimizer: str = "adam", steps: int = 3,
+                  accumulate: int = 1, local_batch: int = 8, input_grad: bool = False, call_kwargs: dict | None = None,
+                  lr_schedule: str | None = None, statistics_replicas: int = 1, roundtrip: dict | None = None,
+                  eval_batch: int | None = None, no_grad_batch: int | None = None, reduction: str = "mean",
+                  extra_rows: int = 0, build: str = "cpu", weights: str | None = None, init_fn: str | None = None,
+                  load_at: int | None = None, assign: bool = False, eval_modules: tuple[str, ...] = (),
+                  eval_from: int = 0, **plan_args) -> dict:
     if lr_schedule and roundtrip:
         raise ValueError("lr_schedule and roundtrip do not combine: the fresh run has no scheduler")
     case = CASES[name]
@@ -632,7 +642,7 @@ class _SideBySide:
 
     def _global_loss(self, kind: str, label: str, loss: torch.Tensor, want: torch.Tensor) -> None:
         self.diffs.add(kind, label, loss, want)
-        self.losses.append(float(loss).hex())
+        self.losses.append(float(loss.detach()).hex())
 
     def step(self, pm, opt, sched, label: str) -> None:
         """One optimizer step on both sides (`accumulate` forward/backward calls first); compares losses,

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 import partita
 from partita.checkpoint.holding import holding_of
 from partita.errors import CheckpointError
-from support.cases import _optimizer
+from support.cases import _optimizer, _rows
 from support.zoo import CASES
 
 GLOBAL_BATCH = 16
@@ -55,17 +55,17 @@ def estimated_costs(case):
 
 
 def _batch(case, step: int):
-    """This rank's rows of global batch number `step`."""
+    """This rank's rows of global batch number `step`: positional inputs, target, keyword inputs."""
     rank, world = partita.get_rank(), partita.get_world_size()
     args, kwargs, target = case.batch(GLOBAL_BATCH, torch.Generator().manual_seed(1000 + step))
     rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-    return tuple(a[rows] for a in args), target[rows]
+    return _rows(args, rows), target[rows], _rows(kwargs, rows)
 
 
 def _train_step(pm, opt, case, step: int) -> float:
-    args, target = _batch(case, step)
+    args, target, kwargs = _batch(case, step)
     opt.zero_grad()
-    loss = pm(*args, target)
+    loss = pm(*args, target, **kwargs)
     loss.backward()
     opt.step()
     return float(loss.detach())
@@ -131,9 +131,9 @@ def load_and_continue(name: str, root: str, plan: dict, more: int = 2, after_fir
     info = partita.load(pm, opt, root)
     draws = _draws()
     if build == "meta":  # its weights exist from the first call on: one that changes nothing
-        args, target = _batch(case, 0)
+        args, target, kwargs = _batch(case, 0)
         with torch.no_grad():
-            pm(*args, target)
+            pm(*args, target, **kwargs)
     snapshot, loss_scale = _snapshot(pm, opt), _loss_scale(pm)
     losses = [_train_step(pm, opt, case, step) for step in range(info.step, info.step + more)]
     names = {id(p): n for n, p in pm.module.named_parameters()}

@@ -1,5 +1,6 @@
 """Capture and split in one process: the stage chain computes what the model computes."""
 
+import contextlib
 import copy
 
 import pytest
@@ -197,3 +198,57 @@ def test_kept_bytes_are_what_the_backward_reads():
         assert kept == rows * 32 * 4, block.name
     for block, _, kept in _measure_each_block(CASES["no_params"].make(), CASES["no_params"], rows):
         assert kept == 0, block.name
+
+
+
+class _TwoOutputs(nn.Module):
+    """`a` on the float input; `b` on `a`'s output and an embedding of the token ids, returned apart (or,
+    `joined`, added); the embedding frozen if `frozen`; both in an autocast region if `region`."""
+
+    def __init__(self, joined: bool = False, frozen: bool = False, region: bool = False):
+        super().__init__()
+        self.a, self.b, self.e = nn.Linear(4, 4), nn.Linear(4, 4), nn.Embedding(10, 4)
+        self.e.weight.requires_grad_(not frozen)
+        self.joined, self.region = joined, region
+
+    def forward(self, x, ids):
+        h = self.a(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16) if self.region else contextlib.nullcontext():
+            u, v = self.b(h), self.e(ids) * 2
+        return u.float() + v.float() if self.joined else (u.float(), v.float())
+
+
+@pytest.mark.parametrize("model,meets", [
+    (_TwoOutputs(), False),  # the embedding's path reaches an output without meeting `a`'s output
+    (_TwoOutputs(joined=True), True),  # ... it meets it in the sum
+    (_TwoOutputs(frozen=True), True),  # ... a frozen embedding has no gradient to lose
+    (_TwoOutputs(region=True), False),  # ... inside one autocast region, which is one node of the graph
+])
+def test_a_stage_knows_whether_its_weights_paths_meet_its_inputs(model, meets):
+    """torch's split backward (zero-bubble schedules) finds a stage's weight gradients only where their paths
+    meet those of inputs needing gradients: stage 1 (everything after `a`) must say where they do not."""
+    cap = capture(model, (torch.randn(2, 4), torch.randint(0, 10, (2,))), {})
+    stages = split(cap, [0] + [1] * (len(units(cap)) - 1), 2)
+    assert stages[1].inputs == ["tensors_1", "linear"] and stages[1].parameters
+    assert stages[1].weights_meet_inputs is meets
+
+
+class _TokensFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e, self.lin = nn.Embedding(10, 4), nn.Linear(4, 4)
+
+    def forward(self, ids):
+        return self.lin(self.e(ids.flip(0)))
+
+
+def test_a_stage_whose_inputs_need_no_gradient_says_its_weights_miss_them():
+    """As HF GPT-2 and BERT planned with the token ids' reshaping alone in stage 0: stage 1's inputs need no
+    gradient, so no path of its weights meets them."""
+    cap = capture(_TokensFirst(), (torch.randint(0, 10, (2, 3)),), {})
+    n = len(units(cap))
+    stages = split(cap, [0] + [1] * (n - 1), 2)  # stage 0: the flip
+    assert not any(cap.requires_grad.get(name, False) for name in stages[1].inputs)
+    assert stages[1].weights_meet_inputs is False
+    stages = split(cap, [0, 0] + [1] * (n - 2), 2)  # stage 1 receives the embedding's output
+    assert stages[1].weights_meet_inputs is True

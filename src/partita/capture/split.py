@@ -320,7 +320,12 @@ def _weights_meet_inputs(cap: CapturedGraph, nodes: list[fx.Node], inputs: list[
         # a tuple-valued op has no flag of its own: its elements (getitem) carry theirs
         differentiable = needs.get(node.name, True)
         read = {a.name for a in node.all_input_nodes}
-        if differentiable and read & from_inputs:
+        # a region of ops in one node (autocast, set_grad_enabled) may pass a weight's path to one element
+        # without meeting the inputs' paths in another: its elements count as from the weights if any can be
+        region = isinstance(node.target, torch._ops.HigherOrderOperator)
+        if differentiable and region and read & from_weights:
+            from_weights.add(node.name)
+        elif differentiable and read & from_inputs:
             from_inputs.add(node.name)
         elif differentiable and read & from_weights:
             from_weights.add(node.name)

@@ -26,7 +26,6 @@ shard (`shard_like`).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -41,17 +40,12 @@ from partita.graph import ModelGraph
 from partita.plan.plan import FSDP_LEVELS, Plan
 from partita.runtime.materialize import release_freed_memory
 from partita.runtime.optim import repoint_optimizer
+from partita.runtime.outputs import own_tensors
 from partita.runtime.state import shard_like
-
-# torch 2.13's FSDP2 warns, on every rank, of each unit that returns a view: an in-place op on it would skip the
-# unit's gathering in the backward. partita's units run pieces of the captured graph, which is functional (no
-# op writes into a value it reads), so none can; a user's own FSDP modules still warn.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDPUnit|FSDPStageRoot)\) returned a view",
-                        category=UserWarning)
 
 class Unit(nn.Module):
     """The parameters of one block, gathered by FSDP around `forward`, which runs a piece of a stage's graph
-    with them."""
+    with them. Its outputs are tensors of their own, so that FSDP's hooks on them hold (`outputs`)."""
 
     def __init__(self, params: dict[str, nn.Parameter]):
         super().__init__()
@@ -65,7 +59,7 @@ class Unit(nn.Module):
         args = list(args)
         for position, k in slots:
             args.insert(position, getattr(self, f"p{k}"))
-        return piece(*args)
+        return own_tensors(piece(*args))
 
 
 class UnitCall(nn.Module):
@@ -89,7 +83,7 @@ class StageRoot(nn.Module):
         self.units = nn.ModuleList(units)
 
     def forward(self, stage: nn.Module, *args):
-        return stage(*args)
+        return own_tensors(stage(*args))
 
 
 class ThroughRoot(nn.Module):

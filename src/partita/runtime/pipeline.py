@@ -31,6 +31,7 @@ from partita.capture.split import StageGraph
 from partita.plan.plan import Plan
 from partita.runtime.fully_sharded import ShardedUnits
 from partita.runtime.grads import GradSync
+from partita.runtime.outputs import own_tensors
 from partita.runtime.precision import LowPrecision
 from partita.runtime.torch_stage import VersionedStage, prepare_for_schedule, prepare_static
 from partita.schedule import Action, orders
@@ -49,8 +50,9 @@ class RecordingStage(VersionedStage):
     gradients, in the input half (I), and nothing in the weight half (W): torch's split backward would find
     none of them for a stage whose parameters' paths never join its inputs' (`StageGraph.weights_meet_inputs`;
     torch runs its first stage's backward whole in W for the same reason, a later stage it does not check). The
-    simulator still times such a stage's halves as split: its weight work runs earlier than simulated, not
-    longer."""
+    simulator still times such a stage's halves as split: its weight work runs in I instead of W, which
+    delays the input gradients it sends upstream, so the step can take longer than simulated (the planner
+    does not know which stages these are: it plans blocks, capture decides this per stage)."""
 
     def __init__(self, *args, executed: list[Action], gathered_for_step: list, grads: GradSync,
                  whole_backward: bool = False, **kwargs):
@@ -113,20 +115,14 @@ class Recomputed(torch.nn.Module):
 
 
 class DetachableOutputs(torch.nn.Module):
-    """A stage whose outputs are tensors of their own: torch's split backward (zero-bubble schedules) detaches
-    a stage's outputs in place once their input gradients are computed, which autograd refuses for a view (a
-    stage sending on a reshaped tensor) and which breaks the weight half for an output its op saved (tanh's,
-    softmax's). Each output becomes a new tensor over the same memory (not a view to autograd): nothing is
-    copied."""
+    """A stage whose outputs torch's split backward can detach in place (see `outputs`)."""
 
     def __init__(self, stage: torch.nn.Module):
         super().__init__()
         self.stage = stage
 
     def forward(self, *args):
-        out = self.stage(*args)
-        return torch.utils._pytree.tree_map_only(
-            torch.Tensor, lambda t: torch.ops.aten._unsafe_view(t, t.shape), out)
+        return own_tensors(self.stage(*args))
 
 
 def _static_shapes(cap: CapturedGraph, names: list[str], micro_batch_rows: int) -> tuple:
