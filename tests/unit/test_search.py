@@ -330,24 +330,54 @@ def test_rank_loads_never_cut_a_split_within_the_limit(seed):
     makespan, block by block) accepts every state of every split whose simulated makespan is within its limit,
     and rejects states of some splits (it cuts something)."""
     checked = cut = 0
-    for model in looped_models(random.Random(900 + seed), 4, (6, 8)):
+    for model, ranges, makespan, table in fitting_looped_splits(random.Random(900 + seed)):
+        p, x = model.layout.pipeline_size, ranges[model.layout.pipeline_size][0]
+        loads = table(x, makespan * (1 + 1e-12))
+        for r in range(p):
+            assert loads.feasible(r, ranges[r][0], ranges[r + p][0]), (model.layout, ranges, r)
+        tighter = table(x, makespan * 0.9)
+        cut += not all(tighter.feasible(r, ranges[r][0], ranges[r + p][0]) for r in range(p))
+        checked += 1
+    assert checked > 50 and cut > checked // 2, (checked, cut)
+
+
+def fitting_looped_splits(rng: random.Random):
+    """(model, stage ranges, simulated makespan, RankLoads of (x, limit)) of every split of random small looped
+    layouts that fits memory."""
+    for model in looped_models(rng, 4, (6, 8)):
         p, n = model.layout.pipeline_size, model.num_blocks
         partitions = PartitionSearch(model)
         floors = StageFloors(model)
         warmups = [partitions.warmups[r].pair(r, r + p) for r in range(p)]
+
+        def table(x, limit):
+            return RankLoads(floors, partitions.rest, x, limit, model.capacity, None, warmups)
+
         for cuts in itertools.combinations(range(1, n), 2 * p - 1):
             ranges = list(zip((0,) + cuts, cuts + (n,)))
             found = evaluate(model, ranges, [None] * (2 * p))
-            if found is None:
-                continue
-            x, makespan = ranges[p][0], found.trace.makespan_s
-            loads = RankLoads(floors, partitions.rest, x, makespan * (1 + 1e-12), model.capacity, None, warmups)
-            for r in range(p):
-                assert loads.feasible(r, ranges[r][0], ranges[r + p][0]), (model.layout, cuts, r)
-            tighter = RankLoads(floors, partitions.rest, x, makespan * 0.9, model.capacity, None, warmups)
-            cut += not all(tighter.feasible(r, ranges[r][0], ranges[r + p][0]) for r in range(p))
-            checked += 1
-    assert checked > 50 and cut > checked // 2, (checked, cut)
+            if found is not None:
+                yield model, ranges, found.trace.makespan_s, table
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_window_of_rank_loads_never_cuts_what_one_of_its_xs_allows(seed):
+    """RankLoads of a window of second-loop starts x is a relaxation of each x's: its least second-loop
+    positions are never above those of any x in it, so it never rules out an x whose split keeps within its
+    limit; and at 0.9 x the limit some window rules out its x (it cuts something)."""
+    checked = cut = 0
+    rng = random.Random(1100 + seed)
+    for model, ranges, makespan, table in fitting_looped_splits(rng):
+        p, n = model.layout.pipeline_size, model.num_blocks
+        x = ranges[p][0]
+        window = (rng.randint(p, x), rng.randint(x, n - p))
+        one, wide = table(x, makespan * (1 + 1e-12)), table(window, makespan * (1 + 1e-12))
+        assert wide.least_second_start(0, 0) <= x, (model.layout, ranges, window)
+        for r, c in itertools.product(range(p), range(n)):
+            assert wide.least_second_start(r, c) <= one.least_second_start(r, c), (model.layout, window, r, c)
+        cut += table(window, makespan * 0.9).least_second_start(0, 0) > x
+        checked += 1
+    assert checked > 20 and cut > checked // 4, (checked, cut)
 
 
 def rank_ends_bound(order, costs, m):

@@ -123,10 +123,18 @@ stage_floors = made_once(StageFloors)  # the model's StageFloors, made once
 
 class RankLoads:
     """For one looped layout and one start x of its second loop: the least second-loop position from which the
-    ranks can still finish below `limit_s` (a step time), by rank and first-loop position."""
+    ranks can still finish below `limit_s` (a step time), by rank and first-loop position.
 
-    def __init__(self, floors: StageFloors, rest: Remainder, x: int, limit_s: float, capacity: float,
-                 recompute: bool | None, warmups: list[tuple[int, int, bool] | None]):
+    With a window of x's (lowest, highest), the same for all of them at once, a relaxation: the last rank's first
+    stage ends anywhere in the window, and rank r's second stage starts at least max(lowest, e_r + left) + r
+    (d_r >= x + r, and x >= e_r + left: the `left` ranks after it take a first-loop block each). Every partial
+    plan that one x's table lets through is one of these, with the same bounds (none of them depends on x
+    otherwise), so the window's least second-loop positions are never above any of its x's: since a plan's
+    rank 0 starts its second stage at x, one table rules out every x of the window below
+    `least_second_start(0, 0)`. For a single x the window's table is that x's."""
+
+    def __init__(self, floors: StageFloors, rest: Remainder, x: int | tuple[int, int], limit_s: float,
+                 capacity: float, recompute: bool | None, warmups: list[tuple[int, int, bool] | None]):
         model = floors.model
         # rest: the least work of the blocks before and after a rank's stages, in sums
         self.floors, self.rest, self.x, self.capacity, self.recompute = floors, rest, x, capacity, recompute
@@ -162,13 +170,17 @@ class RankLoads:
         p, n, x, m, floors = self.p, self.n, self.x, self.m, self.floors
         left = p - r - 1
         none = n + 1
-        if c > x - (left + 1):
+        lowest_x, highest_x = x if isinstance(x, tuple) else (x, x)
+        if c > highest_x - (left + 1):
             return none
         limit = self.limit_s
         rank_start = self.rest.quick_work(0, c, r)
         best = none
-        lowest_d = x + r
-        for e in ([x] if not left else range(c + 1, x - left + 1)):
+        # the first loop ends at x (the last rank's first stage)
+        for e in range(c + 1, highest_x - left + 1) if left else range(max(c + 1, lowest_x), highest_x + 1):
+            lowest_d = max(lowest_x, e + left) + r  # d_r >= x + r (see the class docstring for a window)
+            if best <= lowest_d:
+                break  # the later e's allow no earlier second stage
             self._count()
             firsts = [o for o in floors.options(r, c, e, self.recompute) if o[1] <= self.capacity]
             if not firsts:
@@ -186,10 +198,7 @@ class RankLoads:
             if d > n and end < best and self._one_block_fits(r, end, firsts, rank_start):
                 # the stage may also start at or after `end` (and end later): at least then
                 d = end
-            if d < best:
-                best = d
-                if best == lowest_d:
-                    break
+            best = min(best, d)
         return best
 
     def _least_second(self, r: int, c: int, e: int, end: int, firsts, rank_start: float, lowest: int,

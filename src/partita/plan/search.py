@@ -15,7 +15,7 @@ reaches the best step found (`plan.bounds` says why the bounds hold: cutting nev
 layouts go rank by rank instead: where the second loop starts, then both stages of rank 0, of rank 1, ... (a
 rank's two stages share its memory and its time); from the second rank on, the ranks chosen are also simulated
 with the others at their least, and the ranks left must still fit their loads block by block
-(`plan.rank_loads`). Two plans closer
+(`plan.rank_loads`; one table for a window of second-loop starts rules them all out where it can). Two plans closer
 than PRUNE_TOLERANCE count as equally fast, so that float rounding between a bound and the simulator cannot
 keep the search among equal plans. A node budget keeps the search to seconds on huge instances; when it runs
 out the result says so, with the gap between the best plan and the lower bound.
@@ -56,6 +56,7 @@ ACTIONS_PER_NODE = 500  # a node costs about as much Python as walking this many
 PRUNE_TOLERANCE = 1e-9  # relative: a plan this much faster than the best found does not count as faster
 CHECKS_PER_NODE = 16  # a node costs about as much as this many pairs of stages checked by RankLoads
 LOADS_REFRESH = 0.002  # relative: a better best step than this makes the ranks' load table again
+LEAST_WINDOW = 8  # x's: a window of second-loop starts this narrow is not screened by a table of its own
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,7 @@ class PartitionSearch:
         self.infeasible_reason = ""
         self.smallest_memory: int | None = None
         self.loads: RankLoads | None = None
+        self.windows: dict[tuple[int, int], tuple[float, int]] = {}  # (limit, least second start) per window of x's
 
     @property
     def cutoff(self) -> float:
@@ -522,15 +524,39 @@ class PartitionSearch:
         self.least_tail_s = self.model.step_overhead_s + max(rest.stage_tail(rest.largest_block_bytes(0)),
                                                              rest.tail_total(0) / p)
         for x in splits:
-            if self._split_bound(x) < self.cutoff and self._loads_allow(x, 0, 0, x):
+            if self._split_bound(x) < self.cutoff and self._windows_allow(x) and self._loads_allow(x, 0, 0, x):
                 self._pair(0, 0, x, x, root)
             if not self.complete:
                 return
 
-    def _loads_allow(self, x: int, r: int, c: int, d: int) -> bool:
-        """Whether ranks r.. may still finish below the best step from blocks c and d on (`RankLoads`); what
-        the table costs counts against the budget."""
-        loads = self._rank_loads(x)
+    def _windows_allow(self, x: int) -> bool:
+        """Whether the tables of ranks' loads of the windows of x's that hold x may allow it (`RankLoads` of a
+        window: it rules out every x of the window below the least second-loop start of rank 0). The windows halve
+        [P, n - P] down to LEAST_WINDOW x's; each one's table is made once (again when the best step has improved
+        by more than LOADS_REFRESH), so that where most x's are ruled out they cost no table of their own."""
+        p, n = self.model.layout.pipeline_size, self.model.num_blocks
+        lowest, highest = p, n - p
+        limit = self.cutoff - self.least_tail_s
+        while highest - lowest >= LEAST_WINDOW:
+            window = (lowest, highest)
+            known = self.windows.get(window)
+            if known is None or limit < known[0] * (1 - LOADS_REFRESH):
+                loads = self._table(window)
+                self._loads_allow(window, 0, 0, highest, loads)
+                if not self.complete:
+                    return False
+                known = self.windows[window] = (loads.limit_s, loads.least_second_start(0, 0))
+            if x < known[1]:
+                return False
+            middle = (lowest + highest) // 2
+            lowest, highest = (lowest, middle) if x <= middle else (middle + 1, highest)
+        return True
+
+    def _loads_allow(self, x: int | tuple[int, int], r: int, c: int, d: int, loads: RankLoads | None = None) -> bool:
+        """Whether ranks r.. may still finish below the best step from blocks c and d on (`RankLoads`, of x or
+        of a window of x's; `loads`: that table, else the one kept for x); what the table costs counts against
+        the budget."""
+        loads = self._rank_loads(x) if loads is None else loads
         before = loads.checks
         allowed = loads.feasible(r, c, d, (self.budget - self.nodes) * CHECKS_PER_NODE)
         self.nodes += (loads.checks - before) // CHECKS_PER_NODE
@@ -541,12 +567,15 @@ class PartitionSearch:
     def _rank_loads(self, x: int) -> RankLoads:
         """The table of ranks' loads for the second loop starting at x, for the best step found so far (made
         again when that has improved by more than LOADS_REFRESH since)."""
-        limit = self.cutoff - self.least_tail_s
         loads = self.loads
-        if loads is None or loads.x != x or limit < loads.limit_s * (1 - LOADS_REFRESH):
-            self.loads = loads = RankLoads(self.floors, self.rest, x, limit, self.capacity, self.recompute,
-                                           self.pair_warmups)
+        if loads is None or loads.x != x or self.cutoff - self.least_tail_s < loads.limit_s * (1 - LOADS_REFRESH):
+            self.loads = loads = self._table(x)
         return loads
+
+    def _table(self, x: int | tuple[int, int]) -> RankLoads:
+        """A new table of ranks' loads for x (or a window of x's), for the best step found so far."""
+        return RankLoads(self.floors, self.rest, x, self.cutoff - self.least_tail_s, self.capacity, self.recompute,
+                         self.pair_warmups)
 
     def _pair_root(self) -> "_Pairs":
         lay = self.model.layout
