@@ -341,6 +341,32 @@ def test_rank_loads_never_cut_a_split_within_the_limit(seed):
     assert checked > 50 and cut > checked // 2, (checked, cut)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_rank_loads_lowered_by_a_partial_plans_shift_never_cut_its_split(seed):
+    """Walking each split's ranks in order, the table of loads for the split's step less the least tail and less
+    the shift of the ranks chosen so far (`loads_shift`: what their stages take more than the table counts, and
+    their tails more than the least) still lets the ranks after them through; the shifts are not all zero (were
+    they too large, this would fail)."""
+    checked = shifted = 0
+    for model, ranges, _, table in fitting_looped_splits(random.Random(1300 + seed)):
+        p = model.layout.pipeline_size
+        partitions = PartitionSearch(model)
+        found = evaluate(model, ranges, [None] * (2 * p))
+        costs = found.stages
+        state = partitions._pair_root()
+        for r in range(p - 1):
+            shift = partitions.loads_shift(state, r, ranges[r][1], costs[r])
+            loads = table(ranges[p][0], found.step_s * (1 + 1e-12) - partitions.least_tail_s - shift)
+            assert loads.feasible(r + 1, ranges[r + 1][0], ranges[r + 1 + p][0]), (model.layout, ranges, r, shift)
+            shifted += shift > 1e-3 * found.step_s
+            checked += 1
+            state = partitions._pair_child(r, ranges[r][1], ranges[r + p][1], ranges[p][0], state, costs[r],
+                                           costs[r + p])
+            if state is None:
+                break  # its bound reached the best step: nothing further to check
+    assert checked > 100 and shifted > checked // 4, (checked, shifted)
+
+
 def fitting_looped_splits(rng: random.Random):
     """(model, stage ranges, simulated makespan, RankLoads of (x, limit)) of every split of random small looped
     layouts that fits memory."""

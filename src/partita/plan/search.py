@@ -56,6 +56,7 @@ ACTIONS_PER_NODE = 500  # a node costs about as much Python as walking this many
 PRUNE_TOLERANCE = 1e-9  # relative: a plan this much faster than the best found does not count as faster
 CHECKS_PER_NODE = 16  # a node costs about as much as this many pairs of stages checked by RankLoads
 LOADS_REFRESH = 0.002  # relative: a better best step than this makes the ranks' load table again
+LOADS_STEP, LOADS_LEVELS = 0.005, 20  # relative, and how many: the lower limits of ranks' load tables
 LEAST_WINDOW = 8  # x's: a window of second-loop starts this narrow is not screened by a table of its own
 
 
@@ -293,7 +294,8 @@ class PartitionSearch:
         self.complete = True
         self.infeasible_reason = ""
         self.smallest_memory: int | None = None
-        self.loads: RankLoads | None = None
+        self.loads: dict[int, RankLoads] = {}  # of the second loop starting at loads_x, by level (`_rank_loads`)
+        self.loads_x, self.loads_limit = -1, math.inf
         self.windows: dict[tuple[int, int], tuple[float, int]] = {}  # (limit, least second start) per window of x's
 
     @property
@@ -513,16 +515,13 @@ class PartitionSearch:
     # second loop starts (x), then both stages of rank 0, of rank 1, ...: each step completes a rank.
 
     def _search_pairs(self) -> None:
-        lay, n, rest = self.model.layout, self.model.num_blocks, self.rest
+        lay, n = self.model.layout, self.model.num_blocks
         p = lay.pipeline_size
         prefix = self._work_prefix
         splits = sorted(range(p, n - p + 1), key=lambda x: (abs(2 * prefix[x] - prefix[n]), x))
         root = self._pair_root()
         self.floors = stage_floors(self.model)
         self.pair_warmups = [self.warmups[r].pair(r, r + p) for r in range(p)]
-        # every plan's longest tail is at least this (as in plan.bounds.layout_bound)
-        self.least_tail_s = self.model.step_overhead_s + max(rest.stage_tail(rest.largest_block_bytes(0)),
-                                                             rest.tail_total(0) / p)
         for x in splits:
             if self._split_bound(x) < self.cutoff and self._windows_allow(x) and self._loads_allow(x, 0, 0, x):
                 self._pair(0, 0, x, x, root)
@@ -552,11 +551,30 @@ class PartitionSearch:
             lowest, highest = (lowest, middle) if x <= middle else (middle + 1, highest)
         return True
 
-    def _loads_allow(self, x: int | tuple[int, int], r: int, c: int, d: int, loads: RankLoads | None = None) -> bool:
+    @cached_property
+    def least_tail_s(self) -> float:
+        """Every plan of a looped layout has its longest tail at least this (as in plan.bounds.layout_bound)."""
+        rest = self.rest
+        return self.model.step_overhead_s + max(rest.stage_tail(rest.largest_block_bytes(0)),
+                                                rest.tail_total(0) / self.model.layout.pipeline_size)
+
+    def loads_shift(self, state: "_Pairs", r: int, e: int, first: StageCost) -> float:
+        """How much lower than the best step less the least tail the makespan of every completion of `state` with
+        `first` as rank r's first stage ([c, e)) must keep for the ranks after r, in the terms of their table of
+        loads. That table's bounds count the blocks before those ranks at their least (`Remainder.quick_work`,
+        which adds up over ranges): ranks 0..r's first-loop stages take this much more, on micro-batch 0's way
+        down and back to every later rank, in every one of those bounds. And the step's tail is at least the
+        longest of the chosen ranks' tails."""
+        excess = state.fwd1 + state.bwd1 + first.work_s + 2 * first.send_fwd_s - self.rest.quick_work(0, e, r + 1)
+        tail = max(*state.tails, state.tails[r] + self.model.tail_s(first))
+        return excess + max(tail - self.least_tail_s, 0.0)
+
+    def _loads_allow(self, x: int | tuple[int, int], r: int, c: int, d: int, loads: RankLoads | None = None,
+                     shift: float = 0.0) -> bool:
         """Whether ranks r.. may still finish below the best step from blocks c and d on (`RankLoads`, of x or
-        of a window of x's; `loads`: that table, else the one kept for x); what the table costs counts against
-        the budget."""
-        loads = self._rank_loads(x) if loads is None else loads
+        of a window of x's; `loads`: that table, else one kept for x, for the makespan's limit lowered by
+        `shift`); what the table costs counts against the budget."""
+        loads = self._rank_loads(x, shift) if loads is None else loads
         before = loads.checks
         allowed = loads.feasible(r, c, d, (self.budget - self.nodes) * CHECKS_PER_NODE)
         self.nodes += (loads.checks - before) // CHECKS_PER_NODE
@@ -564,18 +582,24 @@ class PartitionSearch:
             self.complete = False
         return allowed and self.complete
 
-    def _rank_loads(self, x: int) -> RankLoads:
-        """The table of ranks' loads for the second loop starting at x, for the best step found so far (made
-        again when that has improved by more than LOADS_REFRESH since)."""
-        loads = self.loads
-        if loads is None or loads.x != x or self.cutoff - self.least_tail_s < loads.limit_s * (1 - LOADS_REFRESH):
-            self.loads = loads = self._table(x)
-        return loads
+    def _rank_loads(self, x: int, shift: float = 0.0) -> RankLoads:
+        """A table of ranks' loads for the second loop starting at x, for the best step found so far (the tables
+        are made again when that has improved by more than LOADS_REFRESH since) less at most `shift`: of the
+        limits lower by LOADS_STEP of it at a time, the lowest within `shift` (a table for a higher limit than a
+        partial plan needs holds for it too; the steps keep the tables few)."""
+        limit = self.cutoff - self.least_tail_s
+        if self.loads_x != x or limit < self.loads_limit * (1 - LOADS_REFRESH):
+            self.loads, self.loads_x, self.loads_limit = {}, x, limit
+        level = min(int(shift / (self.loads_limit * LOADS_STEP)), LOADS_LEVELS)
+        if level not in self.loads:
+            self.loads[level] = self._table(x, self.loads_limit * (1 - level * LOADS_STEP))
+        return self.loads[level]
 
-    def _table(self, x: int | tuple[int, int]) -> RankLoads:
-        """A new table of ranks' loads for x (or a window of x's), for the best step found so far."""
-        return RankLoads(self.floors, self.rest, x, self.cutoff - self.least_tail_s, self.capacity, self.recompute,
-                         self.pair_warmups)
+    def _table(self, x: int | tuple[int, int], limit: float | None = None) -> RankLoads:
+        """A new table of ranks' loads for x (or a window of x's), for the makespan's `limit` (by default the best
+        step found so far less the least tail)."""
+        limit = self.cutoff - self.least_tail_s if limit is None else limit
+        return RankLoads(self.floors, self.rest, x, limit, self.capacity, self.recompute, self.pair_warmups)
 
     def _pair_root(self) -> "_Pairs":
         lay = self.model.layout
@@ -655,10 +679,12 @@ class PartitionSearch:
         if not left:
             yield n
             return
-        # the ranks after this one must still keep within the best step from (e, g) on
-        if not self._loads_allow(x, r + 1, e, n - left):
+        # the ranks after this one must still keep within the best step from (e, g) on, by their table of loads
+        # for a limit lower by what the stages chosen take more than the table counts (`loads_shift`)
+        shift = self.loads_shift(state, r, e, first)
+        if not self._loads_allow(x, r + 1, e, n - left, shift=shift):
             return
-        least = self._rank_loads(x).least_second_start(r + 1, e)
+        least = self._rank_loads(x, shift).least_second_start(r + 1, e)
         limit = self.cutoff - max(state.tails)
         rank_start = state.fwd1 + state.bwd1
         first_rest = rest.quick_work(e, x, left)
