@@ -101,6 +101,23 @@ def test_looped_layouts_agree_with_brute_force_on_three_ranks_per_pipeline(seed)
     assert checked >= 2
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_a_search_taken_up_again_after_its_budget_ran_out_agrees_with_brute_force(seed):
+    """A layout's search that ran out of budget (its ranks' load tables kept) and is run again with the full
+    budget, as the second round of `search` does, still finds brute force's step."""
+    stopped = 0
+    for model in looped_models(random.Random(1500 + seed), 4, (6, 9)):
+        want = brute_force_layout(model)
+        partitions = PartitionSearch(model, budget=20)
+        partitions.run()
+        stopped += not partitions.complete
+        got = partitions.run(budget=10**7)
+        assert partitions.complete and (got is None) == (want is None), (model.layout, got, want)
+        if got is not None:
+            assert got.step_s == pytest.approx(want, rel=1e-12, abs=0), model.layout
+    assert stopped >= 2
+
+
 def looped_models(rng, count, blocks):
     """The cost models of the looped layouts with pipelines of 2 or 3 ranks of `count` random instances on 6
     ranks."""

@@ -167,6 +167,7 @@ class RankLoads:
         """Whether ranks r, r+1, ... may finish below the limit with their stages from blocks c and d on; true
         (and `exhausted` set) when answering would take more than `most_checks` pairs of stages."""
         self._check_limit = self.checks + most_checks
+        self.exhausted = False
         try:
             return d >= self.least_second_start(r, c)
         except _OutOfChecks:

@@ -57,6 +57,7 @@ PRUNE_TOLERANCE = 1e-9  # relative: a plan this much faster than the best found 
 CHECKS_PER_NODE = 16  # a node costs about as much as this many pairs of stages checked by RankLoads
 LOADS_REFRESH = 0.002  # relative: a better best step than this makes the ranks' load table again
 LOADS_STEP, LOADS_LEVELS = 0.005, 20  # relative, and how many: the lower limits of ranks' load tables
+LOADS_KEPT = 4  # x's whose ranks' load tables are kept (a search taken up again goes over the same x's first)
 LEAST_WINDOW = 8  # x's: a window of second-loop starts this narrow is not screened by a table of its own
 
 
@@ -139,6 +140,9 @@ def search(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global_batc
     # then the layouts left, with the full budget and the best step of all of them to cut with
     refined: dict[int, float] = {}
     unfinished: list[tuple[float, int]] = []  # filled by the first round
+    # the first round's searches of those layouts, taken up again in the second with what they have worked out
+    # (ranks' load tables) kept, so that going over the first round's nodes again costs less of the budget
+    probes: dict[int, PartitionSearch] = {}
     for round_budget, round_layouts in ((PROBE_BUDGET, bounded), (node_budget, unfinished)):
         for bound, i in round_layouts:
             model = models[i]
@@ -150,25 +154,27 @@ def search(graph: ModelGraph, profile: Profile, cluster: Cluster, *, global_batc
                 if refined[i] == math.inf:
                     result.rejected.append((model.layout, _too_big(model)))
             if refined[i] >= best_s * (1 - PRUNE_TOLERANCE):
-                result.lower_bound_s = min(result.lower_bound_s, refined[i])
+                result.lower_bound_s = min(result.lower_bound_s, max(bound, refined[i]))
                 continue
             budget = min(round_budget, search_budget - result.nodes)
             if budget <= 0:
                 result.proven_optimal = False
-                result.lower_bound_s = min(result.lower_bound_s, bound)
+                result.lower_bound_s = min(result.lower_bound_s, max(bound, refined[i]))
                 continue
-            partitions = PartitionSearch(model, best_s, constraints.recompute, budget)
-            found = partitions.run()
-            result.nodes += partitions.nodes
-            result.simulations += partitions.simulations
+            partitions = probes.pop(i, None) or PartitionSearch(model, best_s, constraints.recompute)
+            nodes, simulations = partitions.nodes, partitions.simulations
+            found = partitions.run(best_s, budget)
+            result.nodes += partitions.nodes - nodes
+            result.simulations += partitions.simulations - simulations
             if found is not None and found.step_s < best_s:
                 best_s, result.best = found.step_s, found
             if not partitions.complete:
                 if round_layouts is bounded:
                     unfinished.append((bound, i))
+                    probes[i] = partitions
                     continue
                 result.proven_optimal = False
-                result.lower_bound_s = min(result.lower_bound_s, bound)
+                result.lower_bound_s = min(result.lower_bound_s, max(bound, refined[i]))
             result.layouts_searched += 1
             if found is None and partitions.complete and partitions.infeasible_reason:
                 result.rejected.append((model.layout, partitions.infeasible_reason))
@@ -294,8 +300,9 @@ class PartitionSearch:
         self.complete = True
         self.infeasible_reason = ""
         self.smallest_memory: int | None = None
-        self.loads: dict[int, RankLoads] = {}  # of the second loop starting at loads_x, by level (`_rank_loads`)
-        self.loads_x, self.loads_limit = -1, math.inf
+        # ranks' load tables by start x of the second loop and by level (`_rank_loads`), for the last LOADS_KEPT x's
+        self.loads: dict[int, dict[int, RankLoads]] = {}
+        self.loads_limit = math.inf
         self.windows: dict[tuple[int, int], tuple[float, int]] = {}  # (limit, least second start) per window of x's
 
     @property
@@ -327,7 +334,13 @@ class PartitionSearch:
         self._evaluate(path)
         return self.best
 
-    def run(self) -> Candidate | None:
+    def run(self, best_s: float = math.inf, budget: int | None = None) -> Candidate | None:
+        """The best plan of the layout faster than `best_s` and the best found before, searched from the start
+        within `budget` more nodes (by default the one given); again after running out, with what the earlier
+        run worked out kept."""
+        self.best_s = min(self.best_s, best_s)
+        self.budget = self.nodes + (self.budget if budget is None else budget)
+        self.complete = True
         if self.pairs:
             self._search_pairs()
         else:
@@ -588,12 +601,17 @@ class PartitionSearch:
         limits lower by LOADS_STEP of it at a time, the lowest within `shift` (a table for a higher limit than a
         partial plan needs holds for it too; the steps keep the tables few)."""
         limit = self.cutoff - self.least_tail_s
-        if self.loads_x != x or limit < self.loads_limit * (1 - LOADS_REFRESH):
-            self.loads, self.loads_x, self.loads_limit = {}, x, limit
+        if limit < self.loads_limit * (1 - LOADS_REFRESH):
+            self.loads, self.loads_limit = {}, limit
+        if x not in self.loads:
+            self.loads[x] = {}
+            if len(self.loads) > LOADS_KEPT:
+                del self.loads[next(iter(self.loads))]  # the x left longest ago
+        tables = self.loads[x]
         level = min(int(shift / (self.loads_limit * LOADS_STEP)), LOADS_LEVELS)
-        if level not in self.loads:
-            self.loads[level] = self._table(x, self.loads_limit * (1 - level * LOADS_STEP))
-        return self.loads[level]
+        if level not in tables:
+            tables[level] = self._table(x, self.loads_limit * (1 - level * LOADS_STEP))
+        return tables[level]
 
     def _table(self, x: int | tuple[int, int], limit: float | None = None) -> RankLoads:
         """A new table of ranks' loads for x (or a window of x's), for the makespan's `limit` (by default the best
