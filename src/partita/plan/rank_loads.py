@@ -46,7 +46,6 @@ class StageFloors:
         self._ways: dict[int, list[tuple[float, float, float, float]]] = {}
         self._least_blocks: dict[tuple[int, bool | None], tuple[list[float], list[float]]] = {}
         self._options: dict[tuple[int, int, int, bool | None], list[Option]] = {}
-        self._runs: dict[tuple[int, int, int, bool | None], list[Option]] = {}
 
     def ways(self, stage: int) -> list[tuple[float, float, float, float]]:
         """Per way to shard `stage`: (static bytes per parameter byte, static bytes saved per exclusive byte,
@@ -85,19 +84,6 @@ class StageFloors:
             self._least_blocks[key] = (work, memory)
         work, memory = self._least_blocks[key]
         return work[start], memory[start]
-
-    def runs(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[Option]:
-        """(work, memory, forward) of each way that the search may run blocks [start, stop) as `stage`: what
-        `CostModel.stage` gives without recomputation and with it (or only as `recompute` asks), the fastest
-        sharding that fits alone. Exact, but not growing with the blocks (a longer stage may shard and need less
-        memory): `options` bound them from below."""
-        key = (stage, start, stop, recompute)
-        found = self._runs.get(key)
-        if found is None:
-            costs = [self.model.stage(stage, start, stop, rc) for rc in ((False, True) if recompute is None
-                                                                        else (recompute,))]
-            found = self._runs[key] = [(c.work_s, c.memory.total, c.fwd_s) for c in costs if c is not None]
-        return found
 
     def options(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[Option]:
         """(work, memory, forward) at least of blocks [start, stop) as `stage`, per way to run it (`recompute` None:
@@ -209,23 +195,12 @@ class RankLoads:
                     continue
             else:
                 end = n
-            d = self._second_start(r, c, e, end, firsts, rank_start, lowest_d, best)
-            if d < best:
-                # the floors (which grow with e, to stop by) let the rank's pair of stages through: check it again
-                # with the first stage's ways as the search runs them (slower to price; never below the floors)
-                d = self._second_start(r, c, e, end, floors.runs(r, c, e, self.recompute), rank_start, d, best)
+            d = self._least_second(r, c, e, end, firsts, rank_start, lowest_d, min(best, end) - 1)
+            if d > n and end < best and self._one_block_fits(r, end, firsts, rank_start):
+                # the stage may also start at or after `end` (and end later): at least then
+                d = end
             best = min(best, d)
         return best
-
-    def _second_start(self, r: int, c: int, e: int, end: int, firsts, rank_start: float, lowest: int,
-                      best: int) -> int:
-        """The least start from `lowest` on of rank r's second stage with its first stage [c, e) (`firsts`: its
-        ways) and ranks r + 1.. from `end` on, if below `best` (else n + 1)."""
-        d = self._least_second(r, c, e, end, firsts, rank_start, lowest, min(best, end) - 1)
-        if d > self.n and end < best and self._one_block_fits(r, end, firsts, rank_start):
-            # the stage may also start at or after `end` (and end later): at least then
-            d = end
-        return d
 
     def _least_second(self, r: int, c: int, e: int, end: int, firsts, rank_start: float, lowest: int,
                       highest: int) -> int:
