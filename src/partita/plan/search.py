@@ -7,18 +7,19 @@ contiguous block ranges per stage, and recomputation per stage. Objective: the s
 simulator predicts (pipeline makespan + gradient all-reduce + optimizer step), subject to every rank's
 memory.
 
-Exact within that space, by branch and bound. Layouts are visited in order of a lower bound on their step
-time, in two rounds: each with a small budget first (good plans found anywhere early cut every layout's
-search), then those not finished with the full one. In a layout, stage boundaries are chosen stage by
-stage, depth first, and a branch is cut as soon as a lower bound on every completion's simulated step
-reaches the best step found (`plan.bounds` says why the bounds hold: cutting never loses the optimum). Looped
-layouts go rank by rank instead: where the second loop starts, then both stages of rank 0, of rank 1, ... (a
-rank's two stages share its memory and its time); from the second rank on, the ranks chosen are also simulated
-with the others at their least, and the ranks left must still fit their loads block by block
-(`plan.rank_loads`; one table for a window of second-loop starts rules them all out where it can). Two plans closer
-than PRUNE_TOLERANCE count as equally fast, so that float rounding between a bound and the simulator cannot
-keep the search among equal plans. A node budget keeps the search to seconds on huge instances; when it runs
-out the result says so, with the gap between the best plan and the lower bound.
+Exact within that space, by branch and bound. Layouts are visited in order of a lower bound on their step time,
+in two rounds: each with a small budget first (good plans found anywhere early cut every layout's search), then
+those not finished with the full one (their searches taken up again with the tables they made kept). In a
+layout, stage boundaries are chosen stage by stage, depth first, and a branch is cut as soon as a lower bound on
+every completion's simulated step reaches the best step found (`plan.bounds` says why the bounds hold: cutting
+never loses the optimum). Looped layouts go rank by rank instead: where the second loop starts, then both stages
+of rank 0, of rank 1, ... (a rank's two stages share its memory and its time); from the second rank on, the
+ranks chosen are also simulated with the others at their least, and the ranks left must still fit their loads
+block by block (`plan.rank_loads`: one table for a window of second-loop starts rules them all out where it can,
+and the ranks after a partial plan are held to a limit lowered by what its stages take more than the table
+counts). Two plans closer than PRUNE_TOLERANCE count as equally fast, so that float rounding between a bound and
+the simulator cannot keep the search among equal plans. A node budget keeps the search to seconds on huge
+instances; when it runs out the result says so, with the gap between the best plan and the lower bound.
 """
 
 from __future__ import annotations
