@@ -384,46 +384,6 @@ def test_rank_loads_lowered_by_a_partial_plans_shift_never_cut_its_split(seed):
     assert checked > 100 and shifted > checked // 4, (checked, shifted)
 
 
-@pytest.mark.parametrize("seed", range(2))
-def test_first_options_bound_every_way_the_model_runs_a_stage(seed):
-    """StageFloors.first_options (a stage's floors with its blocks known: unsharded where the model runs it so)
-    never exceed the stage as CostModel.stage prices it, in work, memory and work less forward, for every range,
-    stage and recomputation of random instances with replicas (where ZeRO-1 is a choice), and the model runs a
-    stage unsharded where `unsharded_where_it_fits` says it does; and first_options are tighter
-    than the floors that grow with the blocks somewhere (else this could not fail). Half the instances step their
-    optimizer slowly, so that ZeRO-1 (a share of the step) is the faster level there."""
-    rng = random.Random(1700 + seed)
-    checked = tighter = 0
-    for trial in range(12):
-        graph, profile, cluster, batch, factor = instance(rng, blocks=(3, 6), worlds=(2, 4))
-        if trial % 2:
-            profile = dataclasses.replace(profile, optimizer_bps=1e6)
-        for layout in layouts(graph, cluster, batch, Constraints()):
-            if layout.num_replicas == 1 or layout.num_stages == 1:
-                continue
-            model = CostModel(graph, profile, cluster, factor, layout)
-            floors = StageFloors(model)
-            n = model.num_blocks
-            last = layout.num_stages - 1
-            for stage, a, rc in itertools.product(range(layout.num_stages), range(n), (False, True)):
-                for b in range(a + 1, n + 1):
-                    if (a > 0) != (stage > 0) or a < stage or b > n - (last - stage) or (stage == last) != (b == n):
-                        continue  # as in a plan: every stage holds a block, the first from 0, the last to the end
-                    cost = model.stage(stage, a, b, rc)
-                    if cost is None:
-                        continue
-                    if model.unsharded_where_it_fits[stage] and model.fits_unsharded(stage, a, b, rc):
-                        assert cost.sharding != "optimizer", (layout, stage, a, b, rc)
-                    options = floors.first_options(stage, a, b, rc)
-                    work, memory, rest = cost.work_s * (1 + 1e-12), cost.memory.total, cost.bwd_s * (1 + 1e-12)
-                    assert any(w <= work and mm <= memory and w - f <= rest for w, mm, f in options), (
-                        layout, stage, a, b, rc, cost.sharding, options)
-                    least = min(mm for _, mm, _ in floors.options(stage, a, b, rc))
-                    tighter += min(mm for _, mm, _ in options) > least
-                    checked += 1
-    assert checked > 1000 and tighter >= 20, (checked, tighter)
-
-
 def fitting_looped_splits(rng: random.Random):
     """(model, stage ranges, simulated makespan, RankLoads of (x, limit)) of every split of random small looped
     layouts that fits memory."""

@@ -217,26 +217,6 @@ class CostModel:
         return min(self._memory(stage, start, stop, rc, sharding=sh).total
                    for rc in (False, True) for sh in self.shardings)
 
-    def fits_unsharded(self, stage: int, start: int, stop: int, recompute: bool) -> bool:
-        """Whether blocks [start, stop) as `stage` fit memory alone unsharded ("none")."""
-        return self._memory(stage, start, stop, recompute, sharding="none").total <= self.capacity
-
-    @cached_property
-    def unsharded_where_it_fits(self) -> tuple[bool, ...]:
-        """Per stage: whether `stage` runs it unsharded wherever that fits alone rather than under ZeRO-1 (the
-        only other level without collectives per micro-batch): ZeRO-1 differs only in its tail, by an all-gather of
-        the parameters less what its smaller optimizer step saves, a latency plus a rate times the bytes; if that
-        is no less at one byte and grows with the bytes, ZeRO-1 is never faster (and a tie goes to "none")."""
-        if "none" not in self.shardings or "optimizer" not in self.shardings:
-            return ("none" in self.shardings,) * self.layout.num_stages
-        big = 2**40
-
-        def extra_s(stage: int, nbytes: int) -> float:
-            return sum(self.per_step(stage, nbytes, 0, "optimizer")) - sum(self.per_step(stage, nbytes, 0, "none"))
-
-        return tuple(extra_s(s, 1) >= 0 and extra_s(s, 2 * big) >= extra_s(s, big)
-                     for s in range(self.layout.num_stages))
-
     def memory_floor(self, stage: int, start: int, stop: int) -> int:
         """A lower bound of the memory of blocks [start, stop) as `stage` that only grows with `stop` (the
         buffers for the stage's outputs are left out: a longer stage may end at a smaller boundary)."""

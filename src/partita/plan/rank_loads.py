@@ -46,8 +46,6 @@ class StageFloors:
         self._ways: dict[int, list[tuple[float, float, float, float]]] = {}
         self._least_blocks: dict[tuple[int, bool | None], tuple[list[float], list[float]]] = {}
         self._options: dict[tuple[int, int, int, bool | None], list[Option]] = {}
-        self._first_options: dict[tuple[int, int, int, bool | None], list[Option]] = {}
-        self._tags: dict[tuple[int, int, int, bool | None], list[tuple[Option, bool, float]]] = {}
 
     def ways(self, stage: int) -> list[tuple[float, float, float, float]]:
         """Per way to shard `stage`: (static bytes per parameter byte, static bytes saved per exclusive byte,
@@ -93,38 +91,10 @@ class StageFloors:
         key = (stage, start, stop, recompute)
         found = self._options.get(key)
         if found is None:
-            found = self._options[key] = _undominated([o for o, _, _ in self._tagged(stage, start, stop, recompute)])
+            found = self._options[key] = _undominated(self._compute_options(stage, start, stop, recompute))
         return found
 
-    def first_options(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[Option]:
-        """`options` of a stage whose blocks are known ([start, stop) exactly, as a rank's first stage in
-        `RankLoads`), tighter but not growing with the blocks: where the model runs it unsharded whenever that fits
-        alone (`CostModel.unsharded_where_it_fits`) and it does fit, its way without FSDP holds all its optimizer
-        state (a longer stage may not fit and take ZeRO-1's share instead)."""
-        model = self.model
-        if not model.unsharded_where_it_fits[stage]:
-            return self.options(stage, start, stop, recompute)
-        key = (stage, start, stop, recompute)
-        found = self._first_options.get(key)
-        if found is None:
-            ways = (False, True) if recompute is None else (recompute,)
-            unsharded = {rc for rc in ways if model.fits_unsharded(stage, start, stop, rc)}
-            found = self._first_options[key] = _undominated([
-                (work, memory + (more if rc in unsharded else 0.0), fwd)
-                for (work, memory, fwd), rc, more in self._tagged(stage, start, stop, recompute)])
-        return found
-
-    def _tagged(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[tuple[Option, bool, float]]:
-        """Every way's option, with its recomputation and the memory it would take more unsharded (for the way
-        without FSDP, the first of `ways`, where ZeRO-1 may share the optimizer state; else 0)."""
-        key = (stage, start, stop, recompute)
-        found = self._tags.get(key)
-        if found is None:
-            found = self._tags[key] = self._compute_tagged(stage, start, stop, recompute)
-        return found
-
-    def _compute_tagged(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[
-            tuple[Option, bool, float]]:
+    def _compute_options(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[Option]:
         model = self.model
         params = model.param_bytes(start, stop)
         exclusive = params - model.units(start, stop)[0]  # what FSDP's levels shard: all but the tied ones
@@ -136,17 +106,15 @@ class StageFloors:
         inputs = self.least_boundary if stage > 0 else 0.0
         outputs = self.least_boundary if stop < self.n else 0.0
         fixed = self.m * (inputs + outputs) - 8 + (model.loss_bytes(held) if stop == self.n else 0.0)
-        # (recomputed, the forward run again, the activations kept)
-        kept = [(False, 0.0, acts * held)] if recompute is not True else []
+        # (the forward run again, the activations kept)
+        kept = [(0.0, acts * held)] if recompute is not True else []
         if recompute is not False and self.writes[stop] == self.writes[start]:
-            kept.append((True, fwd, acts + inputs * held))
+            kept.append((fwd, acts + inputs * held))
         out = []
-        for way, (per_byte, saved, coll_fwd, coll_bwd) in enumerate(self.ways(stage)):
+        for per_byte, saved, coll_fwd, coll_bwd in self.ways(stage):
             static = fixed + params * per_byte - exclusive * saved
             collectives = exclusive * (coll_fwd + coll_bwd)
-            more = params * (2 + model.optimizer_factor - per_byte) if way == 0 else 0.0
-            out.extend(((work + collectives + redo, static + keep, fwd + exclusive * coll_fwd), rc, more)
-                       for rc, redo, keep in kept)
+            out.extend((work + collectives + redo, static + keep, fwd + exclusive * coll_fwd) for redo, keep in kept)
         return out
 
 
@@ -227,24 +195,12 @@ class RankLoads:
                     continue
             else:
                 end = n
-            d = self._second_start(r, c, e, end, firsts, rank_start, lowest_d, best)
-            if d < best:
-                # the floors (which grow with e, to stop by) let the rank's pair of stages through: again with its
-                # first stage's blocks known (`first_options`: tighter, slower to make), from there on
-                firsts = [o for o in floors.first_options(r, c, e, self.recompute) if o[1] <= self.capacity]
-                d = self._second_start(r, c, e, end, firsts, rank_start, d, best)
+            d = self._least_second(r, c, e, end, firsts, rank_start, lowest_d, min(best, end) - 1)
+            if d > n and end < best and self._one_block_fits(r, end, firsts, rank_start):
+                # the stage may also start at or after `end` (and end later): at least then
+                d = end
             best = min(best, d)
         return best
-
-    def _second_start(self, r: int, c: int, e: int, end: int, firsts, rank_start: float, lowest: int,
-                      best: int) -> int:
-        """The least start from `lowest` on of rank r's second stage, with its first stage [c, e) (`firsts`: its
-        ways) and ranks r + 1.. from `end` on, if below `best` (else n + 1)."""
-        d = self._least_second(r, c, e, end, firsts, rank_start, lowest, min(best, end) - 1)
-        if d > self.n and end < best and self._one_block_fits(r, end, firsts, rank_start):
-            # the stage may also start at or after `end` (and end later): at least then
-            d = end
-        return d
 
     def _least_second(self, r: int, c: int, e: int, end: int, firsts, rank_start: float, lowest: int,
                       highest: int) -> int:
