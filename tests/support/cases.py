@@ -158,7 +158,8 @@ def fidelity(name: str, **options) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = _side_by_side(name, **options)
-    return report | {"warnings": sorted({f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught})}
+    said = {f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught}
+    return report | {"warnings": sorted(said)}
 
 
 def _side_by_side(name: str, *, style: str = "loss_fn", optimizer: str = "adam", steps: int = 3,
