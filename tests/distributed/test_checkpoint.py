@@ -30,6 +30,8 @@ def assert_same_state(got: dict, want: dict) -> None:
 
 
 def check_resumed(loaded: list[dict], saved: list[dict]) -> None:
+    for r in saved + loaded:
+        assert not r["warnings"], f"a rank warned: {r['warnings']}"
     for rank, r in enumerate(loaded):
         assert_same_state(r["snapshot"], saved[0]["snapshot"])
         np.testing.assert_allclose(r["losses"], saved[0]["losses"], rtol=RTOL, err_msg=f"rank {rank}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import io
 import math
 import os
@@ -125,10 +126,30 @@ def _scaled_normal(module: torch.nn.Module) -> None:
 INIT_FNS = {"scaled_normal": _scaled_normal}
 
 
+def reporting_warnings(body):
+    """`body`, whose report (a dict) also holds the warnings raised on this rank while it ran ("warnings"): tests
+    fail on them (each rank's warnings reach the user's log)."""
+    @functools.wraps(body)
+    def run(*args, **kwargs) -> dict:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = body(*args, **kwargs)
+        said = {f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught}
+        return report | {"warnings": sorted(said)}
+    return run
+
+
 # Plans here come from the device preset's estimates instead of measurements, which cost seconds per model
 # and world size: every fidelity test fixes the layout it checks. test_bad_input.py plans from measurements.
 @mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
-def fidelity(name: str, **options) -> dict:
+@reporting_warnings
+def fidelity(name: str, *, style: str = "loss_fn", optimizer: str = "adam", steps: int = 3,
+             accumulate: int = 1, local_batch: int = 8, input_grad: bool = False, call_kwargs: dict | None = None,
+             lr_schedule: str | None = None, statistics_replicas: int = 1, roundtrip: dict | None = None,
+             eval_batch: int | None = None, no_grad_batch: int | None = None, reduction: str = "mean",
+             extra_rows: int = 0, build: str = "cpu", weights: str | None = None, init_fn: str | None = None,
+             load_at: int | None = None, assign: bool = False, eval_modules: tuple[str, ...] = (),
+             eval_from: int = 0, **plan_args) -> dict:
     """Train `steps` steps with partita and in one process; report the worst differences, the plans used and
     the global losses partita returned (as float.hex, to compare ranks bit for bit).
 
@@ -152,23 +173,7 @@ def fidelity(name: str, **options) -> dict:
         whole state dicts through load_state_dict (see _SideBySide.load), partita's with `assign`.
     eval_modules: names of modules put in eval mode on both sides from step `eval_from` on, before its call
         ("": the whole model, trained in eval mode; "bn1": a frozen BatchNorm in a training model).
-
-    The report also holds the warnings raised on this rank while both trained ("warnings").
     """
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        report = _side_by_side(name, **options)
-    said = {f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught}
-    return report | {"warnings": sorted(said)}
-
-
-def _side_by_side(name: str, *, style: str = "loss_fn", optimizer: str = "adam", steps: int = 3,
-                  accumulate: int = 1, local_batch: int = 8, input_grad: bool = False, call_kwargs: dict | None = None,
-                  lr_schedule: str | None = None, statistics_replicas: int = 1, roundtrip: dict | None = None,
-                  eval_batch: int | None = None, no_grad_batch: int | None = None, reduction: str = "mean",
-                  extra_rows: int = 0, build: str = "cpu", weights: str | None = None, init_fn: str | None = None,
-                  load_at: int | None = None, assign: bool = False, eval_modules: tuple[str, ...] = (),
-                  eval_from: int = 0, **plan_args) -> dict:
     if lr_schedule and roundtrip:
         raise ValueError("lr_schedule and roundtrip do not combine: the fresh run has no scheduler")
     case = CASES[name]

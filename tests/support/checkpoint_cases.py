@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 import partita
 from partita.checkpoint.holding import holding_of
 from partita.errors import CheckpointError
-from support.cases import _optimizer, _rows
+from support.cases import _optimizer, _rows, reporting_warnings
 from support.zoo import CASES
 
 GLOBAL_BATCH = 16
@@ -101,6 +101,7 @@ def _model(name: str, plan: dict, seed: int, build: str = "cpu", precision: str 
 
 
 @estimated_costs
+@reporting_warnings
 def train_and_save(name: str, root: str, plan: dict, steps: int = 2, more: int = 2,
                    precision: str = "fp32") -> dict:
     """Train `steps` steps, save, and go on for `more` steps: what a resumed run must reproduce."""
@@ -121,6 +122,7 @@ def train_and_save(name: str, root: str, plan: dict, steps: int = 2, more: int =
 
 
 @estimated_costs
+@reporting_warnings
 def load_and_continue(name: str, root: str, plan: dict, more: int = 2, after_first_call: bool = False,
                       build: str = "cpu", precision: str = "fp32") -> dict:
     """A fresh model (other initial weights, or none: built on the meta device) and optimizer, loaded from
