@@ -25,6 +25,7 @@ instances; when it runs out the result says so, with the gap between the best pl
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -643,15 +644,19 @@ class PartitionSearch:
             self._finish_pairs(state)
             return
         for e in self._first_stops(r, c, d, x, state):
-            for first in self._options(r, c, e):
+            firsts = self._options(r, c, e)
+            for first in firsts:
                 for g in self._second_stops(r, d, e, x, state, first):
-                    for second in self._options(r + p, d, g):
+                    seconds = self._options(r + p, d, g)
+                    for second in seconds:
                         self.nodes += 1
                         if self.nodes > self.budget:
                             self.complete = False
                             return
                         if first.memory.total + second.memory.total > self.capacity:
                             continue  # the rank's stages do not fit together (as _pair_child checks)
+                        if pair_dominated(self.model, (first, second), firsts, seconds):
+                            continue
                         child = self._pair_child(r, e, g, x, state, first, second)
                         if child is not None:
                             self._pair(r + 1, e, g, x, child)
@@ -947,6 +952,32 @@ def evaluate(model: CostModel, ranges: list[tuple[int, int]], recompute: list[bo
     """Simulate given stage boundaries and recomputation (None: the cheapest that fits) under the model's layout
     (None if they don't fit)."""
     return PartitionSearch(model).simulate(ranges, recompute)
+
+
+def pair_dominated(model: CostModel, pair: tuple[StageCost, StageCost], firsts: list[StageCost],
+                   seconds: list[StageCost]) -> bool:
+    """Whether another way to run a looped rank's two stages over the same blocks (one of `firsts` with one of
+    `seconds`, together within the rank's memory) makes no completion slower than `pair` does, so that the
+    search need not try `pair`: its forwards, backwards and transfers take no longer, and its tail (the sum of
+    its stages') is no longer. The simulated makespan is the longest path through a graph the schedule fixes,
+    weighted by the durations, and the step adds the longest tail: neither grows when durations and tails
+    shrink. The ranks after this one see neither its memory nor its sharding, so every completion of `pair` is
+    one of the other way too, at least as fast: an optimum is kept. Of ways that take exactly as long, the
+    first in the options' order is kept."""
+    def times(way: tuple[StageCost, StageCost]) -> tuple[float, ...]:
+        durations = tuple(t for c in way for t in (c.fwd_s, c.bwd_s, c.send_fwd_s, c.send_bwd_s))
+        return (*durations, model.tail_s(way[0]) + model.tail_s(way[1]))
+
+    ways = list(itertools.product(firsts, seconds))
+    mine, index = times(pair), ways.index(pair)
+    for other, way in enumerate(ways):
+        if other == index or way[0].memory.total + way[1].memory.total > model.capacity:
+            continue
+        theirs = times(way)
+        # a strict order (no two ways rule each other out): no slower anywhere, and faster somewhere or first
+        if all(a <= b for a, b in zip(theirs, mine)) and (theirs != mine or other < index):
+            return True
+    return False
 
 
 class _Step(NamedTuple):
