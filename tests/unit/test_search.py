@@ -388,6 +388,26 @@ def test_rank_loads_never_cut_a_split_within_the_limit(seed):
 
 
 @pytest.mark.parametrize("seed", range(2))
+def test_rank_loads_seeded_from_a_looser_table_never_cut_a_split_within_the_limit(seed):
+    """A table of loads seeded from one of the same x for a higher limit (which has worked out every rank and
+    first-loop position) accepts every state of every split within its own limit, as unseeded ones do; seeded
+    instead from a table for 0.9 x the limit (not a looser one), it cuts some split: the seeds take effect."""
+    checked = cut = 0
+    for model, ranges, makespan, table in fitting_looped_splits(random.Random(1900 + seed)):
+        p, n, x = model.layout.pipeline_size, model.num_blocks, ranges[model.layout.pipeline_size][0]
+        looser, tighter = table(x, makespan * 1.05), table(x, makespan * 0.9)
+        for r, c in itertools.product(range(p), range(n)):
+            looser.least_second_start(r, c)
+            tighter.least_second_start(r, c)
+        seeded, wrong = table(x, makespan * (1 + 1e-12), looser), table(x, makespan * (1 + 1e-12), tighter)
+        for r in range(p):
+            assert seeded.feasible(r, ranges[r][0], ranges[r + p][0]), (model.layout, ranges, r)
+        cut += not all(wrong.feasible(r, ranges[r][0], ranges[r + p][0]) for r in range(p))
+        checked += 1
+    assert checked > 50 and cut > checked // 2, (checked, cut)
+
+
+@pytest.mark.parametrize("seed", range(2))
 def test_rank_loads_lowered_by_a_partial_plans_shift_never_cut_its_split(seed):
     """Walking each split's ranks in order, the table of loads for the split's step less the least tail and less
     the shift of the ranks chosen so far (`loads_shift`: what their stages take more than the table counts, and
@@ -422,8 +442,8 @@ def fitting_looped_splits(rng: random.Random):
         floors = StageFloors(model)
         warmups = [partitions.warmups[r].pair(r, r + p) for r in range(p)]
 
-        def table(x, limit):
-            return RankLoads(floors, partitions.rest, x, limit, model.capacity, None, warmups)
+        def table(x, limit, looser=None):
+            return RankLoads(floors, partitions.rest, x, limit, model.capacity, None, warmups, looser)
 
         for cuts in itertools.combinations(range(1, n), 2 * p - 1):
             ranges = list(zip((0,) + cuts, cuts + (n,)))

@@ -134,7 +134,8 @@ class RankLoads:
     `least_second_start(0, 0)`. For a single x the window's table is that x's."""
 
     def __init__(self, floors: StageFloors, rest: Remainder, x: int | tuple[int, int], limit_s: float,
-                 capacity: float, recompute: bool | None, warmups: list[tuple[int, int, bool] | None]):
+                 capacity: float, recompute: bool | None, warmups: list[tuple[int, int, bool] | None],
+                 looser: "RankLoads | None" = None):
         model = floors.model
         # rest: the least work of the blocks before and after a rank's stages, in sums
         self.floors, self.rest, self.x, self.capacity, self.recompute = floors, rest, x, capacity, recompute
@@ -144,6 +145,10 @@ class RankLoads:
         self.warmups = warmups
         self.p, self.n, self.m = model.layout.pipeline_size, floors.n, floors.m
         self.limit_s = limit_s  # for the makespan: the limit less the least tail
+        # a table of the same x for a limit at least as high: every plan within this table's limit is within its
+        # limit too, and it never cuts those, so none starts a second stage below its least ones (what it has
+        # worked out seeds this table's)
+        self.looser = looser
         self._least: dict[tuple[int, int], int] = {}
         self.checks = 0  # stages and pairs of stages tried so far: what the table has cost
         self.exhausted = False
@@ -174,12 +179,16 @@ class RankLoads:
         lowest_x, highest_x = x if isinstance(x, tuple) else (x, x)
         if c > highest_x - (left + 1):
             return none
+        known = self.looser.known_second_start(r, c) if self.looser is not None else 0
+        if known >= none:
+            return none
         limit = self.limit_s
         rank_start = self.rest.quick_work(0, c, r)
         best = none
         # the first loop ends at x (the last rank's first stage)
         for e in range(c + 1, highest_x - left + 1) if left else range(max(c + 1, lowest_x), highest_x + 1):
-            lowest_d = max(lowest_x, e + left) + r  # d_r >= x + r (see the class docstring for a window)
+            # d_r >= x + r (see the class docstring for a window), and no lower than the looser table allows
+            lowest_d = max(max(lowest_x, e + left) + r, known)
             if best <= lowest_d:
                 break  # the later e's allow no earlier second stage
             self._count()
@@ -200,7 +209,14 @@ class RankLoads:
                 # the stage may also start at or after `end` (and end later): at least then
                 d = end
             best = min(best, d)
-        return best
+        return max(best, known)
+
+    def known_second_start(self, r: int, c: int) -> int:
+        """`least_second_start(r, c)` where this table (or a looser one it was seeded from) has worked it out,
+        else 0: a least second-loop start that costs nothing more."""
+        if (r, c) in self._least:
+            return self._least[(r, c)]
+        return self.looser.known_second_start(r, c) if self.looser is not None else 0
 
     def _least_second(self, r: int, c: int, e: int, end: int, firsts, rank_start: float, lowest: int,
                       highest: int) -> int:

@@ -612,14 +612,17 @@ class PartitionSearch:
         tables = self.loads[x]
         level = min(int(shift / (self.loads_limit * LOADS_STEP)), LOADS_LEVELS)
         if level not in tables:
-            tables[level] = self._table(x, self.loads_limit * (1 - level * LOADS_STEP))
+            looser = max((known for known in tables if known < level), default=None)
+            tables[level] = self._table(x, self.loads_limit * (1 - level * LOADS_STEP),
+                                        None if looser is None else tables[looser])
         return tables[level]
 
-    def _table(self, x: int | tuple[int, int], limit: float | None = None) -> RankLoads:
+    def _table(self, x: int | tuple[int, int], limit: float | None = None,
+               looser: RankLoads | None = None) -> RankLoads:
         """A new table of ranks' loads for x (or a window of x's), for the makespan's `limit` (by default the best
-        step found so far less the least tail)."""
+        step found so far less the least tail), seeded from a `looser` one of x's."""
         limit = self.cutoff - self.least_tail_s if limit is None else limit
-        return RankLoads(self.floors, self.rest, x, limit, self.capacity, self.recompute, self.pair_warmups)
+        return RankLoads(self.floors, self.rest, x, limit, self.capacity, self.recompute, self.pair_warmups, looser)
 
     def _pair_root(self) -> "_Pairs":
         lay = self.model.layout
