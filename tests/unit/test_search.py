@@ -389,13 +389,16 @@ def test_rank_loads_never_cut_a_split_within_the_limit(seed):
 
 @pytest.mark.parametrize("seed", range(2))
 def test_rank_loads_seeded_from_a_looser_table_never_cut_a_split_within_the_limit(seed):
-    """A table of loads seeded from one of the same x for a higher limit (which has worked out every rank and
-    first-loop position) accepts every state of every split within its own limit, as unseeded ones do; seeded
-    instead from a table for 0.9 x the limit (not a looser one), it cuts some split: the seeds take effect."""
+    """A table of loads seeded from one for a higher limit, of the same x or of a window of x's that holds it
+    (which has worked out every rank and first-loop position), accepts every state of every split within its
+    own limit, as unseeded ones do; seeded instead from a table for 0.9 x the limit (not a looser one), it cuts
+    some split: the seeds take effect."""
     checked = cut = 0
+    pick = random.Random(seed)
     for model, ranges, makespan, table in fitting_looped_splits(random.Random(1900 + seed)):
         p, n, x = model.layout.pipeline_size, model.num_blocks, ranges[model.layout.pipeline_size][0]
-        looser, tighter = table(x, makespan * 1.05), table(x, makespan * 0.9)
+        held = (pick.randint(p, x), pick.randint(x, n - p)) if checked % 2 else x
+        looser, tighter = table(held, makespan * 1.05), table(x, makespan * 0.9)
         for r, c in itertools.product(range(p), range(n)):
             looser.least_second_start(r, c)
             tighter.least_second_start(r, c)

@@ -145,9 +145,9 @@ class RankLoads:
         self.warmups = warmups
         self.p, self.n, self.m = model.layout.pipeline_size, floors.n, floors.m
         self.limit_s = limit_s  # for the makespan: the limit less the least tail
-        # a table of the same x for a limit at least as high: every plan within this table's limit is within its
-        # limit too, and it never cuts those, so none starts a second stage below its least ones (what it has
-        # worked out seeds this table's)
+        # a table for a limit at least as high, of the same x's or of a window that holds them: every plan within
+        # this table's limit is one within its limit too, which it never cuts, so none starts a second stage below
+        # its least ones (what it has worked out seeds this table's)
         self.looser = looser
         self._least: dict[tuple[int, int], int] = {}
         self.checks = 0  # stages and pairs of stages tried so far: what the table has cost

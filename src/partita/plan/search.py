@@ -305,7 +305,7 @@ class PartitionSearch:
         # ranks' load tables by start x of the second loop and by level (`_rank_loads`), for the last LOADS_KEPT x's
         self.loads: dict[int, dict[int, RankLoads]] = {}
         self.loads_limit = math.inf
-        self.windows: dict[tuple[int, int], tuple[float, int]] = {}  # (limit, least second start) per window of x's
+        self.windows: dict[tuple[int, int], RankLoads] = {}  # ranks' load tables of windows of x's
 
     @property
     def cutoff(self) -> float:
@@ -551,17 +551,19 @@ class PartitionSearch:
         p, n = self.model.layout.pipeline_size, self.model.num_blocks
         lowest, highest = p, n - p
         limit = self.cutoff - self.least_tail_s
+        outer = None  # the table of the window that holds this one: a looser table of it (see `_table`)
         while highest - lowest >= LEAST_WINDOW:
             window = (lowest, highest)
-            known = self.windows.get(window)
-            if known is None or limit < known[0] * (1 - LOADS_REFRESH):
-                loads = self._table(window)
+            loads = self.windows.get(window)
+            if loads is None or limit < loads.limit_s * (1 - LOADS_REFRESH):
+                loads = self._table(window, limit, outer)
                 self._loads_allow(window, 0, 0, highest, loads)
                 if not self.complete:
                     return False
-                known = self.windows[window] = (loads.limit_s, loads.least_second_start(0, 0))
-            if x < known[1]:
+                self.windows[window] = loads
+            if x < loads.least_second_start(0, 0):
                 return False
+            outer = loads
             middle = (lowest + highest) // 2
             lowest, highest = (lowest, middle) if x <= middle else (middle + 1, highest)
         return True
@@ -612,15 +614,23 @@ class PartitionSearch:
         tables = self.loads[x]
         level = min(int(shift / (self.loads_limit * LOADS_STEP)), LOADS_LEVELS)
         if level not in tables:
+            limit = self.loads_limit * (1 - level * LOADS_STEP)
             looser = max((known for known in tables if known < level), default=None)
-            tables[level] = self._table(x, self.loads_limit * (1 - level * LOADS_STEP),
-                                        None if looser is None else tables[looser])
+            seed = tables[looser] if looser is not None else self._window_table(x, limit)
+            tables[level] = self._table(x, limit, seed)
         return tables[level]
+
+    def _window_table(self, x: int, limit: float) -> RankLoads | None:
+        """The table of the narrowest window of x's that holds x, if it is for a limit at least `limit`."""
+        held = [loads for (lowest, highest), loads in self.windows.items()
+                if lowest <= x <= highest and loads.limit_s >= limit]
+        return min(held, key=lambda loads: loads.x[1] - loads.x[0], default=None)
 
     def _table(self, x: int | tuple[int, int], limit: float | None = None,
                looser: RankLoads | None = None) -> RankLoads:
         """A new table of ranks' loads for x (or a window of x's), for the makespan's `limit` (by default the best
-        step found so far less the least tail), seeded from a `looser` one of x's."""
+        step found so far less the least tail), seeded from a `looser` one: for a limit at least as high, of x or of
+        a window that holds x (or this window): it never cuts a plan that this one must let through."""
         limit = self.cutoff - self.least_tail_s if limit is None else limit
         return RankLoads(self.floors, self.rest, x, limit, self.capacity, self.recompute, self.pair_warmups, looser)
 
