@@ -119,6 +119,24 @@ def test_a_search_taken_up_again_after_its_budget_ran_out_agrees_with_brute_forc
     assert stopped >= 2
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_a_search_taken_up_again_skips_the_second_loop_starts_it_finished_and_agrees_with_brute_force(seed):
+    """Taken up again with budgets that grow, a looped layout's search skips the second-loop starts an earlier run
+    searched to the end, and still finds brute force's step (were it to skip one whose best plan it had not found,
+    this would fail)."""
+    skipped = 0
+    for model in looped_models(random.Random(2100 + seed), 4, (6, 9)):
+        want = brute_force_layout(model)
+        partitions = PartitionSearch(model)
+        for budget in (30, 60, 120, 10**7):
+            skipped += len(partitions.searched)
+            got = partitions.run(budget=budget)
+        assert partitions.complete and (got is None) == (want is None), (model.layout, got, want)
+        if got is not None:
+            assert got.step_s == pytest.approx(want, rel=1e-12, abs=0), model.layout
+    assert skipped >= 4
+
+
 def looped_models(rng, count, blocks):
     """The cost models of the looped layouts with pipelines of 2 or 3 ranks of `count` random instances on 6
     ranks."""

@@ -306,6 +306,9 @@ class PartitionSearch:
         self.loads: dict[int, dict[int, RankLoads]] = {}
         self.loads_limit = math.inf
         self.windows: dict[tuple[int, int], RankLoads] = {}  # ranks' load tables of windows of x's
+        # second-loop starts whose plans an earlier run has searched to the end: none of them but those found can
+        # step faster than the best step then, which is at least the best step now, so a later run skips them
+        self.searched: set[int] = set()
 
     @property
     def cutoff(self) -> float:
@@ -538,10 +541,13 @@ class PartitionSearch:
         self.floors = stage_floors(self.model)
         self.pair_warmups = [self.warmups[r].pair(r, r + p) for r in range(p)]
         for x in splits:
+            if x in self.searched:
+                continue
             if self._split_bound(x) < self.cutoff and self._windows_allow(x) and self._loads_allow(x, 0, 0, x):
                 self._pair(0, 0, x, x, root)
             if not self.complete:
                 return
+            self.searched.add(x)
 
     def _windows_allow(self, x: int) -> bool:
         """Whether the tables of ranks' loads of the windows of x's that hold x may allow it (`RankLoads` of a
