@@ -138,8 +138,8 @@ def test_stages_with_different_sharding_levels(pools, tmp_path, world, name, opt
     path = with_levels(planned, levels, tmp_path / "plan.json")
     results = pools.run(world, "support.cases:fidelity", name, plan=str(path))
     check(results)
-    assert [s["sharding"] for s in json.loads(results[0]["plan_json"])["stages"]] == list(levels)
     stages = json.loads(results[0]["plan_json"])["stages"]
+    assert [s["sharding"] for s in stages] == list(levels)
     for stage in stages:
         alone = [r for r in stage["ranks"] if sum(r in other["ranks"] for other in stages) == 1]
         held = [results[r]["sharded_params"] for r in alone]
