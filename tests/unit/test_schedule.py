@@ -169,7 +169,7 @@ def test_docstring_examples_run():
     import doctest
     import importlib
 
-    for name in ("action", "generate", "interleaved", "v_shaped", "validate", "inflight"):
+    for name in ("action", "generate", "interleaved", "v_shaped", "validate", "inflight", "lockstep"):
         module = importlib.import_module(f"partita.schedule.{name}")
         assert doctest.testmod(module).failed == 0, name
 
@@ -187,3 +187,103 @@ def test_forwards_first_schedules_are_those_whose_ranks_run_every_forward_before
         return True
 
     assert tuple(s for s in SCHEDULES if forwards_first(s)) == FORWARDS_FIRST_SCHEDULES
+
+
+# ---- lockstep: the driver's message steps -----------------------------------------------------------
+def phases(order_of_ranks):
+    """The forwards, then the backwards, of each rank, as partita's driver runs them."""
+    return tuple([[a for a in o if (a.op == "F") == forward] for o in order_of_ranks] for forward in (True, False))
+
+
+def messages(steps):
+    """(step, sender, receiver, what the receiver runs with it) of every send, and of every receive."""
+    num_ranks = len(steps)
+    sent, received = set(), set()
+    for rank in range(num_ranks):
+        for e in steps[rank]:
+            if e.sends_to is not None:
+                sent.add((e.step, rank, e.sends_to, e.action.stage, e.action.micro_batch))
+            for action, source in zip(e.receives, e.received_from):
+                received.add((e.step, source, rank, action.stage, action.micro_batch))
+    return sent, received
+
+
+def rendezvous_completes(groups_of_ranks) -> bool:
+    """NCCL's point-to-point semantics at their strictest: each rank runs its groups of messages in order on one
+    stream, and a message (peer, "send" or "recv", what) completes only while the peer's current group holds its
+    match. False if the ranks wait on each other forever."""
+    heads = [0] * len(groups_of_ranks)
+    while True:
+        current = [groups[h] if h < len(groups) else frozenset() for groups, h in zip(groups_of_ranks, heads)]
+        done = [rank for rank, group in enumerate(current) if group and all(
+            (rank, "recv" if kind == "send" else "send", what) in current[peer] for peer, kind, what in group)]
+        if not done:
+            return all(h == len(groups) for groups, h in zip(groups_of_ranks, heads))
+        for rank in done:
+            heads[rank] += 1
+
+
+def lockstep_groups(steps, num_stages):
+    groups = []
+    for rank_steps in steps:
+        mine = []
+        for e in rank_steps:
+            group = set()
+            if e.sends_to is not None:
+                group.add((e.sends_to, "send", (e.action.stage, e.action.micro_batch)))
+            for action, source in zip(e.receives, e.received_from):
+                sender = action.stage - 1 if action.op == "F" else action.stage + 1
+                group.add((source, "recv", (sender, action.micro_batch)))
+            if group:
+                mine.append(frozenset(group))
+        groups.append(mine)
+    return groups
+
+
+@pytest.mark.parametrize("schedule,num_stages,pipeline_size,micro_batches", TABLE)
+def test_lockstep_pairs_every_message_in_one_step(schedule, num_stages, pipeline_size, micro_batches):
+    from partita.schedule.lockstep import lockstep
+
+    for phase in phases(orders(schedule, num_stages, pipeline_size, micro_batches)):
+        steps = lockstep(phase, num_stages)
+        for rank, order in enumerate(phase):
+            ran = [e for e in steps[rank] if e.action is not None]
+            assert [e.action for e in ran] == order
+            assert all(a.step < b.step for a, b in zip(steps[rank], steps[rank][1:]))
+        sent, received = messages(steps)
+        assert {(t, src, dst, mb) for t, src, dst, _, mb in sent} == {(t, src, dst, mb) for t, src, dst, _, mb in
+                                                                      received}
+        arrived = {(stage, mb): t for t, _, _, stage, mb in received}
+        for rank_steps in steps:
+            for e in rank_steps:
+                if e.action is not None and (e.action.stage, e.action.micro_batch) in arrived:
+                    assert arrived[e.action.stage, e.action.micro_batch] < e.step, e
+        assert rendezvous_completes(lockstep_groups(steps, num_stages))
+
+
+def test_posting_each_message_as_its_action_runs_can_wait_forever_on_two_looped_ranks():
+    """Why the driver runs in lockstep: LoopedBFS on two ranks, each message posted alone as its rank reaches it
+    (the receive just before the action that needs it, the send just after the one that made it), leaves both
+    ranks sending to each other; in lockstep the same phase completes."""
+    from partita.schedule.lockstep import lockstep
+
+    forward, _ = phases(orders("LoopedBFS", 4, 2, 2))
+    where = {a.stage: rank for rank, o in enumerate(forward) for a in o}
+    alone = []
+    for rank, order in enumerate(forward):
+        groups = []
+        for a in order:
+            if a.stage > 0 and where[a.stage - 1] != rank:
+                groups.append(frozenset({(where[a.stage - 1], "recv", (a.stage - 1, a.micro_batch))}))
+            if a.stage < 3 and where[a.stage + 1] != rank:
+                groups.append(frozenset({(where[a.stage + 1], "send", (a.stage, a.micro_batch))}))
+        alone.append(groups)
+    assert not rendezvous_completes(alone)
+    assert rendezvous_completes(lockstep_groups(lockstep(forward, 4), 4))
+
+
+def test_lockstep_names_orders_that_wait_on_each_other():
+    from partita.schedule.lockstep import lockstep
+
+    with pytest.raises(ValueError, match="wait on each other"):
+        lockstep([[Action(1, "F", 0), Action(0, "F", 0)], [Action(2, "F", 0)]], 3)

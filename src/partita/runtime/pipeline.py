@@ -10,8 +10,9 @@ Two ways to run them, both in the order of the plan's schedule, the order the pl
   are those torch's classes run (tests/torch/test_schedule_orders.py).
 - `Pipeline.forward` then `Pipeline.backward`: the forwards of the schedule's order now, its backwards later,
   when the user's own loss reaches partita's outputs. torch has no schedule whose forward and backward are
-  split by user code, so partita runs the order itself; the planner gives such calls only schedules that run
-  every forward before any backward (`Constraints.user_loss`).
+  split by user code, so partita runs the order itself, exchanging messages in time steps shared by the
+  pipeline's ranks (`partita.schedule.lockstep` says why); the planner gives such calls only schedules that
+  run every forward before any backward (`Constraints.user_loss`).
 
 Every stage records the actions it runs (`executed`), so tests hold the runtime to the simulated order.
 """
@@ -35,6 +36,7 @@ from partita.runtime.outputs import own_tensors
 from partita.runtime.precision import LowPrecision
 from partita.runtime.torch_stage import VersionedStage, prepare_for_schedule, prepare_static
 from partita.schedule import Action, orders
+from partita.schedule.lockstep import Exchange, lockstep
 from partita.schedule.action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 from partita.schedule.catalog import SPLIT_BACKWARD_SCHEDULES
 
@@ -134,10 +136,6 @@ def _wait(works: list) -> None:
         w.wait()
 
 
-def _p2p(ops: list[dist.P2POp]) -> list:
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
 class Pipeline:
     """The PipelineStages of this rank for one micro-batch size, with the schedule that runs them."""
 
@@ -171,12 +169,15 @@ class Pipeline:
             stage.stage_index_to_group_rank = dict(position)
             self.stages.append(stage)
         self.by_index = {s.stage_index: s for s in self.stages}
-        # this rank's actions in the order of the plan's schedule, split for the driver's two phases
-        order = orders(plan.schedule, plan.num_stages, plan.pipeline_size, plan.micro_batches)[
-            replica_ranks.index(rank)]
-        self.forwards = [a for a in order if a.op == FORWARD]
-        self.backwards = [a for a in order if a.op != FORWARD]
-        self.last_backward = {a.stage: a.micro_batch for a in self.backwards}  # each stage's last micro-batch
+        # this rank's actions in the order of the plan's schedule, split for the driver's two phases, each run
+        # in the time steps of every rank's messages (schedule.lockstep says why)
+        everyone = orders(plan.schedule, plan.num_stages, plan.pipeline_size, plan.micro_batches)
+        position = replica_ranks.index(rank)
+        self.forward_steps = lockstep([[a for a in o if a.op == FORWARD] for o in everyone], plan.num_stages)[position]
+        self.backward_steps = lockstep([[a for a in o if a.op != FORWARD] for o in everyone],
+                                       plan.num_stages)[position]
+        self.last_backward = {e.action.stage: e.action.micro_batch  # each stage's last micro-batch
+                              for e in self.backward_steps if e.action is not None}
         self.has_backward = has_backward
         self.loss_fn = loss_fn
         self._schedule = None
@@ -223,42 +224,76 @@ class Pipeline:
             stage.clear_runtime_states()
         self.forwards_run += 1
         self.executed.clear()
-        sends, kept = [], {}
+        posted, kept = _Posted(), {}
         outputs: dict[int, tuple] = {}
-        for action in self.forwards:
-            stage, mb = self.by_index[action.stage], action.micro_batch
-            args: tuple = ()
-            if stage.is_first:
-                args = micro_batches[mb]
-            elif action.stage - 1 in self.by_index:
-                stage.set_local_fwd_input(kept.pop((action.stage - 1, mb)), mb)
-            else:
-                _wait(_p2p(stage.get_fwd_recv_ops(mb)))
-            out = stage.forward_one_chunk(mb, args, {}, save_forward_output=False)  # torch 2.11: {}, not None
-            if stage.is_last:
-                outputs[mb] = out if isinstance(out, tuple) else (out,)
-            elif action.stage + 1 in self.by_index:
-                kept[(action.stage, mb)] = out
-            else:
-                sends += _p2p(stage.get_fwd_send_ops(mb))
-        _wait(sends)
+        for step in self.forward_steps:
+            sends: list[dist.P2POp] = []
+            if step.action is not None:
+                stage, mb = self.by_index[step.action.stage], step.action.micro_batch
+                args: tuple = ()
+                if stage.is_first:
+                    args = micro_batches[mb]
+                elif step.action.stage - 1 in self.by_index:
+                    stage.set_local_fwd_input(kept.pop((step.action.stage - 1, mb)), mb)
+                else:
+                    posted.wait_for(step.action)
+                out = stage.forward_one_chunk(mb, args, {}, save_forward_output=False)  # torch 2.11: {}, not None
+                if stage.is_last:
+                    outputs[mb] = out if isinstance(out, tuple) else (out,)
+                elif step.sends_to is None:
+                    kept[(step.action.stage, mb)] = out
+                else:
+                    sends = stage.get_fwd_send_ops(mb)
+            posted.post(step, sends + [op for a in step.receives
+                                       for op in self.by_index[a.stage].get_fwd_recv_ops(a.micro_batch)])
+        posted.wait_all()
         return [outputs[mb] for mb in range(self.micro_batches)] if self.has_last else None
 
     def backward(self, last_stage_losses: list[torch.Tensor] | None) -> None:
         """The schedule's backwards on this rank; the last stage starts from `last_stage_losses` (one per
         micro-batch)."""
-        sends = []
-        for action in self.backwards:
-            stage, mb = self.by_index[action.stage], action.micro_batch
-            loss = None
-            if stage.is_last:
-                loss = last_stage_losses[mb]
-            elif action.stage + 1 in self.by_index:
-                stage.set_local_bwd_input(self.by_index[action.stage + 1].get_local_bwd_output(mb), mb)
-            else:
-                _wait(_p2p(stage.get_bwd_recv_ops(mb)))
-            stage.backward_one_chunk(mb, loss=loss, full_backward=True,
-                                     last_backward=self.last_backward[action.stage] == mb)
-            if not stage.is_first and action.stage - 1 not in self.by_index:
-                sends += _p2p(stage.get_bwd_send_ops(mb))
-        _wait(sends)
+        posted = _Posted()
+        for step in self.backward_steps:
+            sends: list[dist.P2POp] = []
+            if step.action is not None:
+                stage, mb = self.by_index[step.action.stage], step.action.micro_batch
+                loss = None
+                if stage.is_last:
+                    loss = last_stage_losses[mb]
+                elif step.action.stage + 1 in self.by_index:
+                    stage.set_local_bwd_input(self.by_index[step.action.stage + 1].get_local_bwd_output(mb), mb)
+                else:
+                    posted.wait_for(step.action)
+                stage.backward_one_chunk(mb, loss=loss, full_backward=True,
+                                         last_backward=self.last_backward[step.action.stage] == mb)
+                if step.sends_to is not None:
+                    sends = stage.get_bwd_send_ops(mb)
+            posted.post(step, sends + [op for a in step.receives
+                                       for op in self.by_index[a.stage].get_bwd_recv_ops(a.micro_batch)])
+        posted.wait_all()
+
+
+class _Posted:
+    """The message groups this rank posted in a phase, each waited for when an action needs what it received
+    (and every one by the phase's end): a send is never waited for before it must be."""
+
+    def __init__(self):
+        self.groups: list[tuple[tuple[Action, ...], list]] = []
+        self.arrived: set[Action] = set()
+
+    def post(self, step: Exchange, ops: list[dist.P2POp]) -> None:
+        if ops:
+            self.groups.append((step.receives, dist.batch_isend_irecv(ops)))
+
+    def wait_for(self, action: Action) -> None:
+        while action not in self.arrived:
+            if not self.groups:
+                raise RuntimeError(f"partita internal error: {action}'s input was never received")
+            receives, works = self.groups.pop(0)
+            _wait(works)
+            self.arrived.update(receives)
+
+    def wait_all(self) -> None:
+        for _, works in self.groups:
+            _wait(works)
+        self.groups.clear()
