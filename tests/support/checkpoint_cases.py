@@ -7,10 +7,10 @@ another world size and plan must continue with the losses of the run that saved.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import random
 import time
+from unittest import mock
 
 import numpy as np
 import torch
@@ -40,18 +40,7 @@ MODELS = {**CASES, "loud_mlp": dataclasses.replace(CASES["mlp"], batch=_loud(CAS
 def estimated_costs(case):
     """Plan from the device preset instead of measuring: every test here fixes the plan, and measuring
     costs seconds per model and world size. Restored after the case, for the tests that share the pool."""
-    @functools.wraps(case)
-    def run(*args, **kwargs):
-        before = os.environ.get("PARTITA_PROFILE")
-        os.environ["PARTITA_PROFILE"] = "estimate"
-        try:
-            return case(*args, **kwargs)
-        finally:
-            if before is None:
-                del os.environ["PARTITA_PROFILE"]
-            else:
-                os.environ["PARTITA_PROFILE"] = before
-    return run
+    return mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})(case)
 
 
 def _batch(case, step: int):
