@@ -38,6 +38,8 @@ def test_a_job_switches_to_the_faster_layout_and_trains_on_as_one_process(pools,
     for rank, r in enumerate(results):
         assert len(r["plans"]) == 2, f"rank {rank} switched {len(r['plans']) - 1} times"
         assert r["plans"] == results[0]["plans"], f"rank {rank} switched to another plan than rank 0"
+        # the layout given up destroyed the process groups it made
+        assert r["groups"]["after"] == r["groups"]["before"] + r["groups"]["in use"], f"rank {rank}: {r['groups']}"
     before, now = results[0]["plans"]
     assert layout(before) == (1, 2, 1, plan_args.get("sharding", "none")) and layout(now) == after
     if after[0] == 2:  # each rank holds only its own stage's tensors now

@@ -246,6 +246,25 @@ def optimizer_rates() -> dict:
     return rates
 
 
+def live_groups() -> int:
+    """The process groups that exist in this process (the default one included)."""
+    return len(torch.distributed.distributed_c10d._world.pg_map)
+
+
+@mock.patch("partita.profile.overheads.STEPS", 2)
+@mock.patch("partita.profile.overheads.ROUNDS", 1)
+def groups_around_measuring_overheads() -> dict:
+    """The process groups before and after partita times its probes (two steps each) under plans of every
+    shape it probes: each probe's runtime made some."""
+    from partita.cluster import DEVICES, Cluster
+    from partita.profile.overheads import measure_overheads
+
+    before = live_groups()
+    cluster = Cluster(DEVICES["cpu"], 1, partita.get_world_size()) if partita.get_rank() == 0 else None
+    overheads = measure_overheads(cluster, torch.device("cpu"), partita.parallelize)
+    return {"before": before, "after": live_groups(), "fitted": overheads is not None}
+
+
 @mock.patch.dict(os.environ, {"PARTITA_PROFILE": "estimate"})
 def what_the_loss_sees(precision: str, **plan_args) -> dict:
     """One step of the GPT computing in `precision` with a loss that notes the dtype of the logits it gets,
@@ -1043,7 +1062,7 @@ def layout_switch(optimizer: str, steps: int = 12, switch: str = "on", delay_s: 
     opt, ref_opt = _optimizer(optimizer, model), _optimizer(optimizer, ref)
     failing = (mock.patch("partita.checkpoint.relayout.unmaterialize", side_effect=OSError("no memory left"))
                if partita.get_rank() == fail_on_rank else contextlib.nullcontext())
-    plans, error = [], None
+    plans, error, before = [], None, live_groups()
     with partita_log() as said, mock.patch.dict(os.environ, {"PARTITA_SWITCH_LAYOUT": switch}), failing, \
             mock.patch.object(tempfile, "tempdir", tmp or tempfile.gettempdir()):
         try:
@@ -1060,7 +1079,9 @@ def layout_switch(optimizer: str, steps: int = 12, switch: str = "on", delay_s: 
         return {"error": error}
     held = sorted(n for n, t in model.state_dict(keep_vars=True).items() if not t.is_meta)
     return {"diffs": side.diffs.result(), "plans": plans, "held": held,
-            "said": [s for s in said if "a training step takes" in s or s.startswith("partita: ")]}
+            "said": [s for s in said if "a training step takes" in s or s.startswith("partita: ")],
+            "groups": {"before": before, "after": live_groups(), "in use": sum(
+                g != torch.distributed.GroupMember.NON_GROUP_MEMBER for g in pm.runtime.made.groups)}}
 
 
 @mock.patch.dict(os.environ, {"PARTITA_SWITCH_LAYOUT": "on"})

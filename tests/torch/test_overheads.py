@@ -63,7 +63,7 @@ def test_the_probe_trains_on_inputs_on_the_ranks_device():
         called.append(next(model.parameters()).device)
         return lambda x, y: called.append((x.device, y.device)) or torch.zeros((), requires_grad=True)
 
-    step = _step_function(parallelize, SimpleNamespace(local_batch=4), torch.device("meta"))
+    step, _ = _step_function(parallelize, SimpleNamespace(local_batch=4), torch.device("meta"))
     step()
     meta = torch.device("meta")
     assert called == [torch.device("cpu"), (meta, meta)]

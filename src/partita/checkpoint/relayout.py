@@ -63,6 +63,7 @@ def relayout(model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimiz
             weights = model_weights(saved, module, strict=True)
         new = install(Initial(weights=weights))
         load(model, optimizer, saved)
+        runtime.close()
     except Exception as e:
         raise PartitaError(f"{SWITCHING} failed after the ranks dropped their part of the model ({e}). The state "
                            f"at the switch is saved in {saved}: load it with partita.load into a job started with "

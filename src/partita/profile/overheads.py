@@ -76,8 +76,8 @@ def probe_inputs(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.T
 
 
 def _step_function(parallelize: Parallelize, plan: Plan, device: torch.device,
-                   layers: int = _LAYERS) -> Callable[[], None]:
-    """One training step of the probe under `plan`, ready to be timed."""
+                   layers: int = _LAYERS) -> tuple[Callable[[], None], torch.nn.Module]:
+    """One training step of the probe under `plan`, ready to be timed, and the parallelized probe."""
     model = _probe_model(layers)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     pm = parallelize(model, opt, loss_fn=torch.nn.MSELoss(), plan=plan)
@@ -87,7 +87,7 @@ def _step_function(parallelize: Parallelize, plan: Plan, device: torch.device,
         opt.zero_grad()
         pm(x, y).backward()
         opt.step()
-    return step
+    return step, pm
 
 
 def _timed_steps(step, count: int) -> float:
@@ -143,14 +143,16 @@ def measure_overheads(cluster: Cluster | None, device: torch.device, parallelize
     runs += [(_LAYERS, _hand_plan(graphs[_LAYERS], world, stages, m, schedule))
              for stages, schedule, m in _shapes(world)]
     with _quiet():
-        steps = [_step_function(parallelize, plan, device, layers) for layers, plan in runs]
-        for step in steps:  # the first call captures and sets up
+        probes = [_step_function(parallelize, plan, device, layers) for layers, plan in runs]
+        for step, _ in probes:  # the first call captures and sets up
             step()
         # the configurations take turns, so that a slower spell of a shared machine weighs on all of them alike
-        samples: list[list[float]] = [[] for _ in steps]
+        samples: list[list[float]] = [[] for _ in probes]
         for _ in range(ROUNDS):
-            for timings, step in zip(samples, steps):
+            for timings, (step, _) in zip(samples, probes):
                 timings.append(_timed_steps(step, STEPS // ROUNDS))
+        for _, probe in probes:  # their process groups go with them
+            probe.runtime.close()
     if cluster is None:
         return None
     measured = [statistics.median(t) for t in samples]

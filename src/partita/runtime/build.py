@@ -29,7 +29,7 @@ from partita.plan.plan import FSDP_LEVELS, Plan
 from partita.runtime.batch import Call, Loss
 from partita.runtime.data_parallel import DataParallel
 from partita.runtime.fully_sharded import ShardedUnits, shard_stages
-from partita.runtime.groups import stage_groups
+from partita.runtime.groups import MadeGroups, stage_groups
 from partita.runtime.host_heap import set_for as set_heap_for
 from partita.runtime.materialize import Initial, materialize
 from partita.runtime.ownership import named_state, ownership
@@ -52,16 +52,17 @@ def build_runtime(module: nn.Module, cap: CapturedGraph, graph: ModelGraph, plan
     # groups over each stage's replicas, where something is kept equal or split among them (every process group
     # costs each of its ranks a transport thread for the job's life)
     shared = any(True for _ in module.buffers()) or any(s.sharding != "none" for s in plan.stages)
-    groups = stage_groups(plan) if shared else {}
+    made = MadeGroups()
+    groups = stage_groups(plan, made) if shared else {}
     sharded = shard_stages(module, optimizer, plan, graph, groups, rank, device) if fsdp else ShardedUnits()
     if data_parallel:
         runtime = DataParallel(module, cap, plan, owners, loss=loss, rank=rank, world_size=world_size,
-                               device=device)
+                               device=device, made=made)
         runtime.settle_buckets(first_call)
     else:
         runtime = PipelineParallel(module, cap, plan, owners, loss=loss, optimizer=optimizer, rank=rank,
                                    world_size=world_size, device=device, signature_key=first_call.signature.key,
-                                   stage_groups=groups, sharded=sharded)
+                                   stage_groups=groups, sharded=sharded, made=made)
     if optimizer is not None and any(s.sharding == "optimizer" for s in plan.stages):
         runtime.shard_optimizer_state(optimizer, groups)
     if optimizer is not None and plan.precision in SCALED:

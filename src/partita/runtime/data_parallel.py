@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from partita.capture.export import CapturedGraph
 from partita.plan.plan import Plan
+from partita.runtime.groups import MadeGroups
 from partita.runtime.batch import Call, Loss, checked_loss, global_loss, rows_combination
 from partita.runtime.ownership import Ownership
 from partita.runtime.precision import as_captured, autocast
@@ -22,8 +23,8 @@ class DataParallel(Runtime):
     split_gradients = False
 
     def __init__(self, module: nn.Module, cap: CapturedGraph, plan: Plan, ownership: Ownership, *, loss: Loss | None,
-                 rank: int, world_size: int, device: torch.device):
-        super().__init__(module, plan, ownership, rank, device)
+                 rank: int, world_size: int, device: torch.device, made: MadeGroups):
+        super().__init__(module, plan, ownership, rank, device, made)
         self.loss = loss
         self.world_size = world_size
         self.cap = cap

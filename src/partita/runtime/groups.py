@@ -12,20 +12,37 @@ from partita.plan.plan import Plan
 from partita.runtime.grads import ParamGroup
 
 
-def _new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
-    # every rank must create every group, in the same order, even the ones it is not in
-    if not dist.is_initialized():
-        return None
-    return dist.new_group(list(ranks), timeout=timedelta(seconds=settings.timeout_s()))
+class MadeGroups:
+    """The process groups one runtime made, which it destroys when it is given up (`Runtime.close`): a layout
+    switch, or the probes that measure partita's own costs, would otherwise leave them for the job's life,
+    and under NCCL each holds GPU memory."""
+
+    def __init__(self):
+        self.groups: list[dist.ProcessGroup] = []
+
+    def new(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+        # every rank must create every group, in the same order, even the ones it is not in
+        if not dist.is_initialized():
+            return None
+        group = dist.new_group(list(ranks), timeout=timedelta(seconds=settings.timeout_s()))
+        self.groups.append(group)
+        return group
+
+    def destroy(self) -> None:
+        """Collective, once nothing runs on the groups any more: every rank destroys those it is in."""
+        for group in self.groups:
+            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(group)
+        self.groups.clear()
 
 
-def pipeline_groups(plan: Plan) -> list[dist.ProcessGroup | None]:
-    return [_new_group(plan.replica_ranks(j)) for j in range(plan.num_replicas)]
+def pipeline_groups(plan: Plan, made: MadeGroups) -> list[dist.ProcessGroup | None]:
+    return [made.new(plan.replica_ranks(j)) for j in range(plan.num_replicas)]
 
 
-def stage_groups(plan: Plan) -> dict[int, dist.ProcessGroup | None]:
+def stage_groups(plan: Plan, made: MadeGroups) -> dict[int, dist.ProcessGroup | None]:
     """One group per stage over its replicas (for keeping their buffers identical)."""
-    return {s.index: _new_group(s.ranks) for s in plan.stages} if plan.num_replicas > 1 else {}
+    return {s.index: made.new(s.ranks) for s in plan.stages} if plan.num_replicas > 1 else {}
 
 
 def param_ranks(plan: Plan, stage_params: dict[int, set[str]]) -> dict[str, tuple[int, ...]]:
@@ -37,8 +54,8 @@ def param_ranks(plan: Plan, stage_params: dict[int, set[str]]) -> dict[str, tupl
     return {fqn: tuple(sorted(r)) for fqn, r in out.items()}
 
 
-def gradient_groups(plan: Plan, stage_params: dict[int, set[str]], rank: int,
-                    parameter: dict[str, nn.Parameter], sharded: set[str] = frozenset()) -> list[ParamGroup]:
+def gradient_groups(plan: Plan, stage_params: dict[int, set[str]], rank: int, parameter: dict[str, nn.Parameter],
+                    made: MadeGroups, sharded: set[str] = frozenset()) -> list[ParamGroup]:
     """This rank's parameters, grouped by the ranks their gradients are summed over. FSDP sums the `sharded`
     ones (`fully_sharded.py`; the same set on every rank): those this rank holds form a group of this rank
     alone, which partita only scales."""
@@ -51,7 +68,7 @@ def gradient_groups(plan: Plan, stage_params: dict[int, set[str]], rank: int,
             by_ranks.setdefault((rank,), []).append(fqn)
     groups = []
     for ranks in sorted(by_ranks):
-        group = _new_group(ranks) if len(ranks) > 1 else None
+        group = made.new(ranks) if len(ranks) > 1 else None
         if rank in ranks:
             # in module order: GradSync's buckets take them backwards, as the backward finishes them
             chosen = set(by_ranks[ranks])

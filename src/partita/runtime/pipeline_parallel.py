@@ -22,7 +22,7 @@ from partita.plan.plan import Plan
 from partita.runtime.batch import Call, Loss
 from partita.runtime.grads import GradSync
 from partita.runtime.fully_sharded import ShardedUnits
-from partita.runtime.groups import gradient_groups, pipeline_groups
+from partita.runtime.groups import MadeGroups, gradient_groups, pipeline_groups
 from partita.runtime.ownership import Ownership
 from partita.runtime.pipelined import Engine, Place
 from partita.runtime.route import Replica
@@ -31,10 +31,10 @@ from partita.schedule import Action
 
 
 def place_of(plan: Plan, rank: int, world_size: int, device: torch.device,
-             stage_groups: dict[int, dist.ProcessGroup | None]) -> Place:
+             stage_groups: dict[int, dist.ProcessGroup | None], made: MadeGroups) -> Place:
     """This rank's place under `plan`, with the process groups it needs. Collective: every rank creates every
     group, in the same order."""
-    replicas = pipeline_groups(plan)
+    replicas = pipeline_groups(plan, made)
     j = plan.replica_of(rank)
     group = replicas[j] if replicas[j] is not None else dist.group.WORLD
     return Place(plan=plan, rank=rank, world_size=world_size, device=device, replica_index=j,
@@ -46,13 +46,14 @@ class PipelineParallel(Runtime):
     def __init__(self, module: nn.Module, cap: CapturedGraph, plan: Plan, ownership: Ownership, *,
                  loss: Loss | None, optimizer: torch.optim.Optimizer | None, rank: int, world_size: int,
                  device: torch.device, signature_key: tuple, stage_groups: dict[int, dist.ProcessGroup | None],
-                 sharded: ShardedUnits):
-        super().__init__(module, plan, ownership, rank, device)
+                 sharded: ShardedUnits, made: MadeGroups):
+        super().__init__(module, plan, ownership, rank, device, made)
         self.loss = loss
         self.optimizer = optimizer
         self.sharded = sharded
-        self.place = place_of(plan, rank, world_size, device, stage_groups)
-        self.grads = GradSync(gradient_groups(plan, ownership.stage_params, rank, self.parameters, sharded.names),
+        self.place = place_of(plan, rank, world_size, device, stage_groups, made)
+        self.grads = GradSync(gradient_groups(plan, ownership.stage_params, rank, self.parameters, made,
+                                              sharded.names),
                               self._params_of_stages(plan.stages_of(rank)))
         # the autograd node every returned loss or output hangs from, so that backward reaches partita
         self.anchor = torch.zeros((), requires_grad=True)

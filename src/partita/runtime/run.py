@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from partita.plan.plan import Plan
 from partita.runtime import agreement
 from partita.runtime.batch import Call, Loss
+from partita.runtime.groups import MadeGroups
 from partita.runtime.optim import converted_state, patch_optimizer, unpatch_optimizer
 from partita.runtime.ownership import Ownership, aliases, named_state
 from partita.runtime.precision import LossScale
@@ -79,8 +80,10 @@ class Runtime:
     # whether gradients of different parameters live on different ranks (so a norm sums over ranks)
     split_gradients = True
 
-    def __init__(self, module: nn.Module, plan: Plan, ownership: Ownership, rank: int, device: torch.device):
+    def __init__(self, module: nn.Module, plan: Plan, ownership: Ownership, rank: int, device: torch.device,
+                 made: MadeGroups):
         self.module = module
+        self.made = made  # the process groups built for it, destroyed by `close`
         self.plan = plan
         self.ownership = ownership
         self.rank = rank
@@ -174,6 +177,13 @@ class Runtime:
             self.loss_scale.give_back_step()
         if self.sharding is not None:
             self.sharding.remove()
+
+    def close(self) -> None:
+        """Collective, once another runtime took the model (or none will run it again): destroy the process
+        groups this runtime made. It cannot run after."""
+        if dist.is_initialized():
+            dist.barrier(group=agreement.cpu_group())  # nothing is under way on any rank's groups
+        self.made.destroy()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state under its original names, the same on every rank."""
