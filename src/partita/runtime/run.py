@@ -181,6 +181,8 @@ class Runtime:
     def close(self) -> None:
         """Collective, once another runtime took the model (or none will run it again): destroy the process
         groups this runtime made. It cannot run after."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # NCCL's last operations on them are done, not just posted
         if dist.is_initialized():
             dist.barrier(group=agreement.cpu_group())  # nothing is under way on any rank's groups
         self.made.destroy()
