@@ -81,7 +81,7 @@ def lockstep(phase: Sequence[Sequence[Action]], num_stages: int) -> tuple[tuple[
                 continue
             action = order[nexts[rank]]
             source = producer.get(_input(action))
-            # the input of a producer on another rank arrives at the end of the producer's step
+            # its producer ran in an earlier step: from another rank, its message came at that step's end
             if source is not None and ran_at.get(source, step) >= step:
                 continue
             steps[rank][step] = action
