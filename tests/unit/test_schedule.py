@@ -196,15 +196,15 @@ def phases(order_of_ranks):
 
 
 def messages(steps):
-    """(step, sender, receiver, what the receiver runs with it) of every send, and of every receive."""
-    num_ranks = len(steps)
+    """(step, sender, receiver, "F" or "B") of every send, and (step, sender, receiver, what the receiver runs
+    with it) of every receive."""
     sent, received = set(), set()
-    for rank in range(num_ranks):
-        for e in steps[rank]:
+    for rank, rank_steps in enumerate(steps):
+        for e in rank_steps:
             if e.sends_to is not None:
-                sent.add((e.step, rank, e.sends_to, e.action.stage, e.action.micro_batch))
+                sent.add((e.step, rank, e.sends_to, "F" if e.action.op == "F" else "B", e.action.micro_batch))
             for action, source in zip(e.receives, e.received_from):
-                received.add((e.step, source, rank, action.stage, action.micro_batch))
+                received.add((e.step, source, rank, action))
     return sent, received
 
 
@@ -244,20 +244,20 @@ def lockstep_groups(steps, num_stages):
 def test_lockstep_pairs_every_message_in_one_step(schedule, num_stages, pipeline_size, micro_batches):
     from partita.schedule.lockstep import lockstep
 
-    for phase in phases(orders(schedule, num_stages, pipeline_size, micro_batches)):
+    whole = orders(schedule, num_stages, pipeline_size, micro_batches)
+    for phase in (whole, *phases(whole)):  # a step, or its forwards and then its backwards
         steps = lockstep(phase, num_stages)
         for rank, order in enumerate(phase):
             ran = [e for e in steps[rank] if e.action is not None]
-            assert [e.action for e in ran] == order
+            assert [e.action for e in ran] == list(order)
             assert all(a.step < b.step for a, b in zip(steps[rank], steps[rank][1:]))
         sent, received = messages(steps)
-        assert {(t, src, dst, mb) for t, src, dst, _, mb in sent} == {(t, src, dst, mb) for t, src, dst, _, mb in
-                                                                      received}
-        arrived = {(stage, mb): t for t, _, _, stage, mb in received}
+        assert sent == {(t, src, dst, "F" if a.op == "F" else "B", a.micro_batch) for t, src, dst, a in received}
+        arrived = {action: t for t, _, _, action in received}
         for rank_steps in steps:
             for e in rank_steps:
-                if e.action is not None and (e.action.stage, e.action.micro_batch) in arrived:
-                    assert arrived[e.action.stage, e.action.micro_batch] < e.step, e
+                if e.action in arrived:
+                    assert arrived[e.action] < e.step, e
         assert rendezvous_completes(lockstep_groups(steps, num_stages))
 
 

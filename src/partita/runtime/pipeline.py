@@ -3,16 +3,17 @@
 Stages are `PipelineStage`s given static shapes (from the captured graph at the micro-batch size), so torch
 runs no shape-inference forward: that extra forward would move BatchNorm statistics and cost a step.
 
-Two ways to run them, both in the order of the plan's schedule, the order the planner simulated
-(`partita.schedule.orders`):
-- `Pipeline.step`: torch's own schedule class (GPipe, 1F1B, interleaved, zero-bubble, ...) runs forward and
-  backward of every micro-batch in one call. Used when partita computes the loss itself. The schedule orders
-  are those torch's classes run (tests/torch/test_schedule_orders.py).
+partita runs them itself, in the order of the plan's schedule (`partita.schedule.orders`: torch's designs,
+GPipe, 1F1B, interleaved, zero-bubble, ..., checked against torch's classes by tests/torch/test_schedule_orders.py),
+which is the order the planner simulated, and exchanges their messages in time steps every rank of the pipeline
+shares (`partita.schedule.lockstep` says why). One driver, two ways to call it:
+- `Pipeline.step`: forward and backward of every micro-batch in one call, the loss computed by partita.
 - `Pipeline.forward` then `Pipeline.backward`: the forwards of the schedule's order now, its backwards later,
-  when the user's own loss reaches partita's outputs. torch has no schedule whose forward and backward are
-  split by user code, so partita runs the order itself, exchanging messages in time steps shared by the
-  pipeline's ranks (`partita.schedule.lockstep` says why); the planner gives such calls only schedules that
-  run every forward before any backward (`Constraints.user_loss`).
+  when the user's own loss reaches partita's outputs; the planner gives such calls only schedules that run
+  every forward before any backward (`Constraints.user_loss`).
+Why not torch's schedule classes: they have no way to split forward and backward by user code, their
+exchanges differ between torch 2.11 and 2.13, and with one driver what runs is by construction the order the
+planner simulated.
 
 Every stage records the actions it runs (`executed`), so tests hold the runtime to the simulated order.
 """
@@ -24,17 +25,17 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from partita.capture.export import CapturedGraph
 from partita.capture.shapes import meta_like
 from partita.capture.split import StageGraph
 from partita.plan.plan import Plan
+from partita.errors import InternalError
 from partita.runtime.fully_sharded import ShardedUnits
 from partita.runtime.grads import GradSync
 from partita.runtime.outputs import own_tensors
 from partita.runtime.precision import LowPrecision
-from partita.runtime.torch_stage import VersionedStage, prepare_for_schedule, prepare_static
+from partita.runtime.torch_stage import VersionedStage, prepare_static
 from partita.schedule import Action, orders
 from partita.schedule.lockstep import Exchange, lockstep
 from partita.schedule.action import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
@@ -46,7 +47,7 @@ class RecordingStage(VersionedStage):
     `gathered_for_step`: FSDP units whose parameters stay gathered from the stage's first forward to its last
     backward of a step (sharding "gradients"): partita's modules call them, so torch's stage, which handles
     only a stage module that is itself FSDP's, leaves them to this stage. `grads` learns which backward is the
-    stage's last of the step, whose gradients are final (torch's schedules say so: `last_backward`).
+    stage's last of the step, whose gradients are final (`last_backward`).
 
     `whole_backward`: under zero-bubble schedules the stage computes its weight gradients with its input
     gradients, in the input half (I), and nothing in the weight half (W): torch's split backward would find
@@ -169,18 +170,20 @@ class Pipeline:
             stage.stage_index_to_group_rank = dict(position)
             self.stages.append(stage)
         self.by_index = {s.stage_index: s for s in self.stages}
-        # this rank's actions in the order of the plan's schedule, split for the driver's two phases, each run
-        # in the time steps of every rank's messages (schedule.lockstep says why)
+        # this rank's actions in the order of the plan's schedule, in time steps every rank of the pipeline shares
+        # (schedule.lockstep says why): all of them in one call (`step`), or the forwards now and the backwards
+        # when the user's loss reaches the outputs (`forward`, `backward`)
         everyone = orders(plan.schedule, plan.num_stages, plan.pipeline_size, plan.micro_batches)
         position = replica_ranks.index(rank)
+        self.steps = lockstep(everyone, plan.num_stages)[position]
         self.forward_steps = lockstep([[a for a in o if a.op == FORWARD] for o in everyone], plan.num_stages)[position]
         self.backward_steps = lockstep([[a for a in o if a.op != FORWARD] for o in everyone],
                                        plan.num_stages)[position]
-        self.last_backward = {e.action.stage: e.action.micro_batch  # each stage's last micro-batch
-                              for e in self.backward_steps if e.action is not None}
+        # each stage's micro-batch whose backward finishes its weights' gradients (a B, or the W after an I)
+        self.last_backward = {a.stage: a.micro_batch for a in everyone[position]
+                              if a.op in (FULL_BACKWARD, BACKWARD_WEIGHT)}
         self.has_backward = has_backward
         self.loss_fn = loss_fn
-        self._schedule = None
         self._prepared = False
         self.forwards_run = 0  # calls of `forward`: a later one replaces the activations an earlier one kept
 
@@ -192,108 +195,132 @@ class Pipeline:
     def has_last(self) -> bool:
         return any(s.is_last for s in self.stages)
 
-    # ---- torch's schedules: forward and backward in one call --------------------------------------
-    def step(self, inputs: tuple, target: torch.Tensor | None) -> list[torch.Tensor]:
-        """Run forward and backward of every micro-batch; return the last stage's micro-batch losses."""
-        if self._schedule is None:
-            cls = get_schedule_class(self.plan.schedule)
-            stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
-            self._schedule = cls(stages, n_microbatches=self.micro_batches, loss_fn=self.loss_fn,
-                                 scale_grads=False)
-            prepare_for_schedule(self._schedule, self.stages, self.micro_batches, self.has_backward)
-        self.executed.clear()
-        losses: list[torch.Tensor] = []
-        args = inputs if self.has_first else ()
-        if self.has_last:
-            self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        else:
-            self._schedule.step(*args, return_outputs=False)
-        return losses
-
-    # ---- partita's driver: forward now, backward when the user's loss reaches us ------------------
-    def _prepare(self) -> None:
-        for stage in self.stages:
-            prepare_static(stage, self.micro_batches, self.has_backward)
-        self._prepared = True
+    def step(self, micro_batches: list[tuple] | None, targets: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Forward and backward of every micro-batch, in the schedule's order (the loss computed by partita:
+        `loss_fn` on the last stage's outputs and `targets`); the last stage's loss per micro-batch (empty on
+        other ranks)."""
+        losses: dict[int, torch.Tensor] = {}
+        self._run(self.steps, micro_batches, targets=targets, losses=losses)
+        return [losses[mb] for mb in range(self.micro_batches)] if self.has_last else []
 
     def forward(self, micro_batches: list[tuple] | None) -> list[tuple[torch.Tensor, ...]] | None:
         """The schedule's forwards on this rank; the last stage's outputs, per micro-batch (None elsewhere)."""
-        if not self._prepared:
-            self._prepare()
-        for stage in self.stages:
-            stage.clear_runtime_states()
         self.forwards_run += 1
-        self.executed.clear()
-        posted, kept = _Posted(), {}
         outputs: dict[int, tuple] = {}
-        for step in self.forward_steps:
-            sends: list[dist.P2POp] = []
-            if step.action is not None:
-                stage, mb = self.by_index[step.action.stage], step.action.micro_batch
-                args: tuple = ()
-                if stage.is_first:
-                    args = micro_batches[mb]
-                elif step.action.stage - 1 in self.by_index:
-                    stage.set_local_fwd_input(kept.pop((step.action.stage - 1, mb)), mb)
-                else:
-                    posted.wait_for(step.action)
-                out = stage.forward_one_chunk(mb, args, {}, save_forward_output=False)  # torch 2.11: {}, not None
-                if stage.is_last:
-                    outputs[mb] = out if isinstance(out, tuple) else (out,)
-                elif step.sends_to is None:
-                    kept[(step.action.stage, mb)] = out
-                else:
-                    sends = stage.get_fwd_send_ops(mb)
-            posted.post(step, sends + [op for a in step.receives
-                                       for op in self.by_index[a.stage].get_fwd_recv_ops(a.micro_batch)])
-        posted.wait_all()
+        self._run(self.forward_steps, micro_batches, outputs=outputs)
         return [outputs[mb] for mb in range(self.micro_batches)] if self.has_last else None
 
     def backward(self, last_stage_losses: list[torch.Tensor] | None) -> None:
-        """The schedule's backwards on this rank; the last stage starts from `last_stage_losses` (one per
-        micro-batch)."""
-        posted = _Posted()
-        for step in self.backward_steps:
-            sends: list[dist.P2POp] = []
-            if step.action is not None:
-                stage, mb = self.by_index[step.action.stage], step.action.micro_batch
-                loss = None
-                if stage.is_last:
-                    loss = last_stage_losses[mb]
-                elif step.action.stage + 1 in self.by_index:
-                    stage.set_local_bwd_input(self.by_index[step.action.stage + 1].get_local_bwd_output(mb), mb)
-                else:
-                    posted.wait_for(step.action)
-                stage.backward_one_chunk(mb, loss=loss, full_backward=True,
-                                         last_backward=self.last_backward[step.action.stage] == mb)
-                if step.sends_to is not None:
-                    sends = stage.get_bwd_send_ops(mb)
-            posted.post(step, sends + [op for a in step.receives
-                                       for op in self.by_index[a.stage].get_bwd_recv_ops(a.micro_batch)])
+        """The schedule's backwards on this rank, after `forward`; the last stage starts from `last_stage_losses`
+        (one per micro-batch)."""
+        self._run(self.backward_steps, None, losses=dict(enumerate(last_stage_losses or ())), begins=False)
+
+    def _run(self, steps: tuple[Exchange, ...], micro_batches: list[tuple] | None, *,
+             targets: list[torch.Tensor] | None = None, losses: dict[int, torch.Tensor] | None = None,
+             outputs: dict[int, tuple] | None = None, begins: bool = True) -> None:
+        """Run `steps` (a phase, or the whole step); `begins`: a new step starts (not the backwards of one whose
+        forwards ran)."""
+        if not self._prepared:
+            for stage in self.stages:
+                prepare_static(stage, self.micro_batches, self.has_backward)
+            self._prepared = True
+        if begins:
+            for stage in self.stages:
+                stage.clear_runtime_states()
+            self.executed.clear()
+        posted, kept = _Posted(), {}
+        for step in steps:
+            sends = [] if step.action is None else \
+                self._compute(step, micro_batches, targets, losses, outputs, kept, posted)
+            receives = [op for a in step.receives for op in (
+                self.by_index[a.stage].get_fwd_recv_ops(a.micro_batch) if a.op == FORWARD
+                else self.by_index[a.stage].get_bwd_recv_ops(a.micro_batch))]
+            posted.post(step, sends + receives)
         posted.wait_all()
+
+    def _compute(self, step: Exchange, micro_batches, targets, losses, outputs, kept: dict,
+                 posted: "_Posted") -> list[dist.P2POp]:
+        """Run `step`'s action, its input taken from the first stage's micro-batch, the stage before it on this
+        rank, or the messages received; the messages that send its output on."""
+        action = step.action
+        stage, mb = self.by_index[action.stage], action.micro_batch
+        if action.op == FORWARD:
+            args: tuple = ()
+            if stage.is_first:
+                args = micro_batches[mb]
+            elif action.stage - 1 in self.by_index:
+                stage.set_local_fwd_input(kept.pop((action.stage - 1, mb)), mb)
+            else:
+                posted.wait_for(action)
+            out = stage.forward_one_chunk(mb, args, {}, save_forward_output=False)  # torch 2.11: {}, not None
+            if stage.is_last:
+                if outputs is not None:
+                    outputs[mb] = out if isinstance(out, tuple) else (out,)
+                if targets is not None:
+                    losses[mb] = self.loss_fn(out, targets[mb])
+                return []
+            if step.sends_to is None:
+                kept[(action.stage, mb)] = out
+                return []
+            return stage.get_fwd_send_ops(mb)
+        if action.op == BACKWARD_WEIGHT:
+            stage.backward_weight_one_chunk(mb, last_backward=self.last_backward[action.stage] == mb)
+            return []
+        loss = None
+        if stage.is_last:
+            loss = losses[mb]
+        elif action.stage + 1 in self.by_index:
+            stage.set_local_bwd_input(self.by_index[action.stage + 1].get_local_bwd_output(mb), mb)
+        else:
+            posted.wait_for(action)
+        whole = action.op == FULL_BACKWARD
+        stage.backward_one_chunk(mb, loss=loss, full_backward=whole,
+                                 last_backward=whole and self.last_backward[action.stage] == mb)
+        return stage.get_bwd_send_ops(mb) if step.sends_to is not None else []
+
+
+class _Received:
+    """The receives of one group of messages, waited for once (gloo's works cannot be waited for twice)."""
+
+    def __init__(self, works: list):
+        self.works = works
+        self.waited = False
+
+    def wait(self) -> None:
+        if not self.waited:
+            _wait(self.works)
+            self.waited = True
 
 
 class _Posted:
-    """The message groups this rank posted in a phase, each waited for when an action needs what it received
-    (and every one by the phase's end): a send is never waited for before it must be."""
+    """The message groups this rank posted in a run of steps. An action waits only for the receives of the group
+    that brought its input; sends are waited for at the end (a sender need not wait for its receiver)."""
 
     def __init__(self):
-        self.groups: list[tuple[tuple[Action, ...], list]] = []
-        self.arrived: set[Action] = set()
+        self.receiving: dict[Action, _Received] = {}  # an action -> the receives of the group bringing its input
+        self.groups: list[tuple[list[dist.P2POp], _Received, list]] = []  # the ops keep the tensors they send alive
 
     def post(self, step: Exchange, ops: list[dist.P2POp]) -> None:
-        if ops:
-            self.groups.append((step.receives, dist.batch_isend_irecv(ops)))
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):  # gloo: a work per op
+            received = _Received([w for op, w in zip(ops, works) if op.op is dist.irecv])
+            sends = [w for op, w in zip(ops, works) if op.op is not dist.irecv]
+        else:  # NCCL: one for the group, and waiting for it only orders the GPU's stream
+            received, sends = _Received(works), []
+        self.groups.append((ops, received, sends))
+        for action in step.receives:
+            self.receiving[action] = received
 
     def wait_for(self, action: Action) -> None:
-        while action not in self.arrived:
-            if not self.groups:
-                raise RuntimeError(f"partita internal error: {action}'s input was never received")
-            receives, works = self.groups.pop(0)
-            _wait(works)
-            self.arrived.update(receives)
+        if action not in self.receiving:
+            raise InternalError(f"{action}'s input was never received")
+        self.receiving.pop(action).wait()
 
     def wait_all(self) -> None:
-        for _, works in self.groups:
-            _wait(works)
+        for _, received, sends in self.groups:
+            received.wait()
+            _wait(sends)
         self.groups.clear()
+        self.receiving.clear()

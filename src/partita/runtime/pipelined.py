@@ -3,16 +3,15 @@
 Two call paths, chosen by the caller:
 
 - `train_step` (a loss function was given, grad enabled, in train or eval mode): rows go to the first stage,
-  targets to the last, torch's schedule runs forward and backward of every micro-batch at once. The parameter
+  targets to the last, the pipeline runs forward and backward of every micro-batch at once. The parameter
   gradients are held back and the global mean loss is returned; `loss.backward()` then adds them (times
   the gradient flowing into the loss) after summing them over the ranks that hold each parameter.
 - `forward`: every micro-batch forward now. Outputs go back to the rank whose rows they are (scalars, such
   as a loss the model computes itself, become the global mean). If a gradient is needed, the outputs are
   tied into autograd so that the user's `loss.backward()` runs the pipeline backward.
 
-Scaling, so that gradients match single-process training: micro-batch losses are summed by the schedule
-(scale_grads=False); the loss is a mean over R replicas x M micro-batches, so the summed gradient is scaled
-by 1/(R*M). Outputs returned row-wise follow DDP: each rank's loss is local, gradients average over the W
+Scaling, so that gradients match single-process training: micro-batch losses are summed by the pipeline; the
+loss is a mean over R replicas x M micro-batches, so the summed gradient is scaled by 1/(R*M). Outputs returned row-wise follow DDP: each rank's loss is local, gradients average over the W
 ranks, input gradients stay local.
 """
 
@@ -169,7 +168,7 @@ class Engine:
             dist.all_reduce(value)
         return value
 
-    # ---- loss computed by partita: torch's schedule, fused forward + backward ---------------------
+    # ---- loss computed by partita: fused forward + backward ----------------------------------------
     def train_step(self, tensors: list[torch.Tensor], target: torch.Tensor, loss: Loss,
                    rows: tuple[int, ...]) -> tuple[torch.Tensor, Loss]:
         """The global batch's loss, its backward run, its gradients held until the caller's backward reaches
@@ -194,7 +193,8 @@ class Engine:
         inputs = self._gather_inputs(tensors)
         target_rows = p.replica.gather_rows([target], p.last_rank)
         saved = self.grads.stash()
-        losses = pipe.step(tuple(inputs or ()), target_rows[0] if target_rows else None)
+        losses = pipe.step(_micro_batches(inputs, plan.micro_batches),
+                           _split_rows(target_rows[0], plan.micro_batches) if target_rows else None)
         gradients = self.grads.take(saved)
         loss = self._rows_checked(loss)
         mean = loss.reduction == "mean"
@@ -240,10 +240,7 @@ class Engine:
         has_backward = grad and loss is None
         pipe = self._pipeline(micro_batch_rows, has_backward, None)
         inputs = self._gather_inputs(tensors)
-        micro_batches = None
-        if inputs is not None:
-            chunks = [_split_rows(t, plan.micro_batches) for t in inputs]
-            micro_batches = [tuple(c[m] for c in chunks) for m in range(plan.micro_batches)]
+        micro_batches = _micro_batches(inputs, plan.micro_batches)
         ctx = torch.enable_grad() if has_backward else torch.no_grad()
         with ctx:
             outs = pipe.forward(micro_batches)
@@ -307,6 +304,14 @@ class Engine:
 
     def differentiable_outputs(self) -> list[bool]:
         return [self.cap.requires_grad.get(n.name, False) for n in self.out_nodes]
+
+
+def _micro_batches(inputs: list[torch.Tensor] | None, n: int) -> list[tuple[torch.Tensor, ...]] | None:
+    """The first stage's inputs cut into `n` micro-batches of rows (None on other ranks)."""
+    if inputs is None:
+        return None
+    chunks = [_split_rows(t, n) for t in inputs]
+    return [tuple(c[m] for c in chunks) for m in range(n)]
 
 
 def _split_rows(t: torch.Tensor, n: int) -> list[torch.Tensor]:

@@ -3,8 +3,6 @@ GPU machines carry 2.11, CI 2.13). Everything version-specific about pipeline st
 
 - Preparing a stage for the shapes it was built with: 2.13 is told to take them as static (`InferenceMode`);
   2.11 takes them by itself (`prepare_static`).
-- 2.11's schedules begin by exchanging a tensor with each neighbouring stage, which gloo cannot send to the
-  sender's own rank, where a looped or V-shaped rank holds both neighbours (`prepare_for_schedule`).
 - 2.11 marks every tensor a stage receives as requiring gradients, integer ones too (a GPT's position ids
   crossing stages), which torch refuses; it refuses a missing gradient (an integer input's) handed back
   between two stages of one rank, and refuses to send one back to another rank, where the sender waits for
@@ -27,8 +25,8 @@ except ImportError:  # torch 2.11: a stage given its shapes exchanges nothing by
 
 def prepare_static(stage: PipelineStage, micro_batches: int, has_backward: bool) -> None:
     """Prepare `stage` to run `micro_batches` micro-batches of the shapes it was built with: no metadata
-    exchange, receive buffers sized from those shapes. torch does this inside its schedules' private
-    initialisation, differently in 2.11 and 2.13 (`STATIC_METADATA`)."""
+    exchange, receive buffers sized from those shapes. torch's own schedules do this inside their private
+    initialisation, differently in 2.11 and 2.13 (`STATIC_METADATA`); partita runs its stages itself."""
     if STATIC_METADATA is None:
         stage.has_backward = False  # else 2.11 marks integer receive buffers too; the floating ones are below
         stage._prepare_forward_infra(micro_batches, (), {})
@@ -45,19 +43,6 @@ def prepare_static(stage: PipelineStage, micro_batches: int, has_backward: bool)
         stage._prepare_forward_infra(micro_batches, (), {}, has_backward)
     if has_backward:
         stage._prepare_backward_infra(micro_batches)
-
-
-def prepare_for_schedule(schedule, stages: list[PipelineStage], micro_batches: int, has_backward: bool) -> None:
-    """Before a torch schedule's first step: on 2.11 the stages are prepared here (`prepare_static`) and the
-    schedule is told they are, so that it exchanges nothing between neighbours; 2.13's schedules prepare them
-    by themselves."""
-    if STATIC_METADATA is not None:
-        return
-    for stage in stages:
-        prepare_static(stage, micro_batches, has_backward)
-    prefix = "_stage" if hasattr(schedule, "_stage_forward_initialized") else "_stages"  # single, multi
-    setattr(schedule, f"{prefix}_forward_initialized", True)
-    setattr(schedule, f"{prefix}_backward_initialized", has_backward)
 
 
 class VersionedStage(PipelineStage):
