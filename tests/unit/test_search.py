@@ -493,6 +493,77 @@ def test_a_window_of_rank_loads_never_cuts_what_one_of_its_xs_allows(seed):
     assert checked > 20 and cut > checked // 4, (checked, cut)
 
 
+def sharded_models(rng: random.Random, count: int):
+    """The cost models of the layouts with replicas of `count` random instances on 4 ranks, some with a slow
+    optimizer step or fast links, where sharding a stage may step faster than running it unsharded."""
+    for _ in range(count):
+        graph, profile, cluster, batch, factor = instance(rng, blocks=(4, 7), worlds=(4,))
+        device = dataclasses.replace(cluster.device, mem_bandwidth_bps=rng.choice([1e11, 1e9]),
+                                     intra_node=Link(rng.choice([1e-5, 0.0]), rng.choice([1e10, 1e12])))
+        cluster = dataclasses.replace(cluster, device=device)
+        for layout in layouts(graph, cluster, batch, Constraints()):
+            if layout.num_replicas > 1:
+                yield CostModel(graph, profile, cluster, factor, layout)
+
+
+def stage_ranges(model):
+    """Every (stage, start, stop) a stage of the model may take: the first starts at the first block, the last
+    ends at the last one, and every stage has a block at least."""
+    n, stages = model.num_blocks, model.layout.num_stages
+    for stage, (a, b) in itertools.product(range(stages), itertools.combinations(range(n + 1), 2)):
+        last = stage == stages - 1
+        if (a == 0) == (stage == 0) and a >= stage and (b == n) == last and b <= n - stages + 1 + stage:
+            yield stage, a, b
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_stage_runs_sharded_only_where_unsharded_it_does_not_fit_when_its_floors_say_so(seed):
+    """Where `StageFloors.shards_only_when_too_big` says a sharding level never steps faster than unsharded,
+    `CostModel.stage` runs a stage at that level only where unsharded it does not fit, and its blocks reach the
+    first stop too big (`CostModel.first_too_big`); the rule applies somewhere, and elsewhere stages run sharded
+    where they would fit unsharded (were the rule to say so there, this would fail)."""
+    applied = faster = 0
+    for model in sharded_models(random.Random(2300 + seed), 20):
+        floors = StageFloors(model)
+        for (stage, a, b), rc in itertools.product(stage_ranges(model), (False, True)):
+            cost = model.stage(stage, a, b, rc)
+            if cost is None or cost.sharding == "none":
+                continue
+            fits = model.priced(stage, a, b, rc, "none").memory.total <= model.capacity
+            if floors.shards_only_when_too_big(stage, cost.sharding):
+                stops = model.first_too_big(stage, rc)
+                assert not fits and a < len(stops) and b >= stops[a], (model.layout, stage, a, b, rc, cost.sharding)
+                applied += 1
+            else:
+                faster += fits
+    assert applied > 20 and faster > 100, (applied, faster)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_stage_floors_never_exceed_a_way_the_search_runs_a_stage_that_holds_them(seed):
+    """For every stage [a, b) and every stage that holds it, each way the search may run the longer one
+    (`CostModel.stage`, with recomputation and without) takes at least one of StageFloors' options for [a, b) in
+    work, memory and work less forward; and some of those ways are stages too big to run unsharded whose work
+    is the least of any such stage (`least_too_big`, to which their options are raised: were that raise 1 %
+    higher in work, or half again as high in memory, this would fail)."""
+    checked = tight = 0
+    for model in sharded_models(random.Random(2500 + 2 * seed), 24):
+        floors = StageFloors(model)
+        ways = {}
+        for stage, a, b in stage_ranges(model):
+            ways[stage, a, b] = [c for c in (model.stage(stage, a, b, False), model.stage(stage, a, b, True)) if c]
+        for (stage, a, b), options in ((key, floors.options(*key, None)) for key in ways):
+            for a2, b2 in itertools.product(range(a + 1), range(b, model.num_blocks + 1)):
+                for way in ways.get((stage, a2, b2), []):
+                    below = [o for o in options if o[0] <= way.work_s * (1 + 1e-12) and o[1] <= way.memory.total
+                             and o[0] - o[2] <= way.bwd_s * (1 + 1e-12)]
+                    assert below, (model.layout, stage, (a, b), (a2, b2), way, options)
+                    checked += 1
+                    if floors.shards_only_when_too_big(stage, way.sharding):
+                        tight += floors.least_too_big(stage, way.recompute, way.sharding)[0] >= 0.999 * way.work_s
+    assert checked > 1000 and tight > 10, (checked, tight)
+
+
 def rank_ends_bound(order, costs, m):
     """`_Warmup.bound` of one rank with every stage known (prefixes and round trips from the costs)."""
     f, b, send = costs.forward_s, costs.backward_s, costs.send_activations_s

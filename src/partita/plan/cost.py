@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -221,6 +222,41 @@ class CostModel:
         """A lower bound of the memory of blocks [start, stop) as `stage` that only grows with `stop` (the
         buffers for the stage's outputs are left out: a longer stage may end at a smaller boundary)."""
         return self._floor(stage, start, stop)
+
+    def first_too_big(self, stage: int, recompute: bool) -> list[int]:
+        """Per start (of those before the first with none), the first stop from which blocks [start, stop) as
+        `stage` do not fit the rank unsharded by an upper bound of their memory (`_compute_memory`'s, from prefix
+        sums: each block's parameters counted whole, a tied one once per block that reads it; the stage's inputs
+        and outputs at the largest boundary), which only grows with the stop and shrinks with the start, so that
+        every stage that does not fit unsharded ends at or after its start's first stop too big."""
+        n, m, factor = self.num_blocks, self.layout.micro_batches, self.optimizer_factor
+        params, acts = self._block_param_bytes, self._act
+        largest = max(self._boundary, default=0.0)
+        held = self.in_flight[stage]
+        bucket = GRAD_BUCKET_BYTES if self.pipelined else math.inf
+        loss = self.loss_bytes(held)
+
+        def cap(start: int, stop: int) -> float:
+            p = params[stop] - params[start]
+            a = acts[stop] - acts[start]
+            kept = (largest * held + a if recompute else a * held) + (loss if stop == n else 0.0)
+            return p * (2 + factor) + 2 * m * largest + min(p, bucket) + max(kept, p if factor >= 2 else 0.0)
+
+        stops, stop = [], 1
+        for start in range(n):
+            stop = max(stop, start + 1)
+            while stop <= n and cap(start, stop) <= self.capacity:
+                stop += 1
+            if stop > n:
+                break  # no later start has a stage too big either
+            stops.append(stop)
+        return stops
+
+    @cached_property
+    def _block_param_bytes(self) -> list[float]:
+        """Prefix sums over the blocks of the bytes of every parameter each reads."""
+        sizes = self.graph.param_bytes
+        return _prefix([sum(sizes[name] for name in set(b.params)) for b in self.graph.blocks])
 
     def _compute_floor(self, stage: int, start: int, stop: int) -> int:
         return min(self._memory(stage, start, stop, rc, outputs=False, sharding=sh, floor=True).total

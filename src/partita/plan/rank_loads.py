@@ -32,9 +32,16 @@ Option = tuple[float, float, float]  # a way to run a stage, at least: (work, me
 
 class StageFloors:
     """Lower bounds of a stage's work (forward + backward per micro-batch) and memory, one pair per way to run it
-    (recomputation or not; its sharding: unsharded or ZeRO-1, or each of FSDP's levels that the layout allows),
+    (recomputation or not; its sharding: unsharded, ZeRO-1, or each of FSDP's levels that the layout allows),
     each a sum over its blocks and so growing with every block it gains: what `CostModel.stage` costs at least,
-    whichever way it chooses."""
+    whichever way it chooses, for the stage or any longer one.
+
+    `CostModel.stage` shards a stage only where unsharded it does not fit its rank alone, or sharded it steps
+    faster. Where no stage steps faster at a sharding level than unsharded (`shards_only_when_too_big`), every
+    stage it runs at that level holds blocks that do not fit unsharded, and so costs at least the least that any
+    such stage costs at that level (`least_too_big`): the level's bounds are raised to it. Without this, a stage
+    that the search runs unsharded would count ZeRO-1's or FSDP's memory, and pairs of stages would pass that do
+    not fit together."""
 
     def __init__(self, model: CostModel):
         self.model = model
@@ -43,34 +50,74 @@ class StageFloors:
         # every cut inside the model moves at least the least boundary, per micro-batch
         self.least_boundary = min((model.boundary_bytes(c) for c in range(1, self.n)), default=0.0)
         self.in_flight = model.in_flight
-        self._ways: dict[int, list[tuple[float, float, float, float]]] = {}
+        self._ways: dict[int, list[tuple[str, float, float, float, float]]] = {}
         self._least_blocks: dict[tuple[int, bool | None], tuple[list[float], list[float]]] = {}
         self._options: dict[tuple[int, int, int, bool | None], list[Option]] = {}
+        self._least_too_big: dict[tuple, dict[str, tuple[float, float, float]]] = {}
+        self._only_when_too_big: dict[tuple[int, str], bool] = {}
+        self._raises: dict[tuple[int, bool], list[tuple[str, float, float, float, float, tuple | None]]] = {}
+        self._too_big_ranges: dict[tuple[int, bool], list[tuple[int, int]]] = {}
+        self._range_sums: dict[tuple[int, int], tuple[float, float, float, float, float]] = {}
 
-    def ways(self, stage: int) -> list[tuple[float, float, float, float]]:
-        """Per way to shard `stage`: (static bytes per parameter byte, static bytes saved per exclusive byte,
-        per-micro-batch collective seconds per exclusive byte in the forward, in the backward)."""
+    def ways(self, stage: int) -> list[tuple[str, float, float, float, float]]:
+        """Per sharding `stage` may take: (the sharding, static bytes per parameter byte, static bytes saved per
+        exclusive byte, per-micro-batch collective seconds per exclusive byte in the forward, in the backward)."""
         if stage not in self._ways:
             model, lay = self.model, self.model.layout
             factor = model.optimizer_factor
             out = []
-            plain = [s for s in model.shardings if s not in FSDP_LEVELS]
-            if plain:
-                share = min(1.0 / lay.num_replicas if s == "optimizer" else 1.0 for s in plain)
-                out.append((2 + factor * share, 0.0, 0.0, 0.0))
             big = float(2**40)
 
             def rate(collective) -> float:
                 one = model.fsdp_collective_s(collective, stage, big, 1)
                 return (model.fsdp_collective_s(collective, stage, 2 * big, 1) - one) / big * (1 - 1e-9)
 
-            for level in (s for s in model.shardings if s in FSDP_LEVELS):
+            for sharding in model.shardings:
+                if sharding not in FSDP_LEVELS:
+                    share = 1.0 / lay.num_replicas if sharding == "optimizer" else 1.0
+                    out.append((sharding, 2 + factor * share, 0.0, 0.0, 0.0))
+                    continue
                 gather, reduce = rate(model.cluster.allgather_s), rate(model.cluster.reduce_scatter_s)
                 saved = (2 + factor) * (1 - 1 / lay.num_replicas)
-                out.append((2 + factor, saved, gather if level == "parameters" else 0.0,
-                            reduce + (gather if level == "parameters" else 0.0)))
+                out.append((sharding, 2 + factor, saved, gather if sharding == "parameters" else 0.0,
+                            reduce + (gather if sharding == "parameters" else 0.0)))
             self._ways[stage] = out
         return self._ways[stage]
+
+    def shards_only_when_too_big(self, stage: int, sharding: str) -> bool:
+        """Whether `CostModel.stage` runs no stage as `stage` at this sharding level where unsharded it fits: the
+        level's stage time (`stage_time_s`) is above the unsharded one's by more than rounding for every stage,
+        whatever its parameters. Its excess over the unsharded stage time is affine in the parameters' bytes
+        (latencies plus bytes times rates), so checking at 1 byte and at more than any model holds covers every
+        size. A stage without parameters (or, under FSDP, with only tied ones) costs the same at every level:
+        the unsharded way, listed first, wins the tie."""
+        key = (stage, sharding)
+        if key not in self._only_when_too_big:
+            margin = 1e-9  # seconds: far above the rounding of any stage time
+            self._only_when_too_big[key] = sharding != "none" and "none" in self.model.shardings and all(
+                self._least_excess_s(stage, sharding, float(nbytes)) > margin for nbytes in (1, 2**50))
+        return self._only_when_too_big[key]
+
+    def _least_excess_s(self, stage: int, sharding: str, nbytes: float) -> float:
+        """At least how much longer a stage of `nbytes` of parameters that the level shards (ZeRO-1: all of them;
+        FSDP: all but the tied ones) steps at `sharding` than unsharded. ZeRO-1 computes the same and only its
+        step differs: a share of the optimizer's step, then an all-gather. FSDP's levels add their collectives
+        to every micro-batch and save at most, after the pipeline: the sharded bytes' all-reduce (what of it
+        outlasts the last backward, which now takes those collectives longer too), their copy into .grad and
+        their optimizer step."""
+        model, lay = self.model, self.model.layout
+        if sharding == "optimizer":
+            _, _, step_none, gather_none = model.per_step(stage, int(nbytes), 0, "none")
+            _, _, step, gather = model.per_step(stage, int(nbytes), 0, "optimizer")
+            return step + gather - step_none - gather_none
+        interference = 1.0 + model.cluster.allreduce_interference
+        if lay.micro_batches < interference:
+            return -math.inf  # the backward's collectives may hide as much as they add: no bound here
+        # one unit: more units each pay the latency again, and so cost more
+        fwd, bwd = model.collectives_s(stage, nbytes, sharding, 1)
+        saved = (interference * model.cluster.allreduce_s(nbytes, model.ranks[stage])
+                 + model.apply_gradients_s(nbytes) + model.optimizer_s(nbytes))
+        return lay.micro_batches * fwd + (lay.micro_batches - interference) * bwd - saved
 
     def least_block(self, stage: int, start: int, recompute: bool | None) -> tuple[float, float]:
         """The least work and the least memory (each on its own) of any one block from `start` on as `stage`."""
@@ -86,8 +133,8 @@ class StageFloors:
         return work[start], memory[start]
 
     def options(self, stage: int, start: int, stop: int, recompute: bool | None) -> list[Option]:
-        """(work, memory, forward) at least of blocks [start, stop) as `stage`, per way to run it (`recompute` None:
-        with recomputation and without); none dominated by another."""
+        """(work, memory, forward) at least of blocks [start, stop) as `stage`, or of any longer stage that holds
+        them, per way to run it (`recompute` None: with recomputation and without); none dominated by another."""
         key = (stage, start, stop, recompute)
         found = self._options.get(key)
         if found is None:
@@ -106,16 +153,86 @@ class StageFloors:
         inputs = self.least_boundary if stage > 0 else 0.0
         outputs = self.least_boundary if stop < self.n else 0.0
         fixed = self.m * (inputs + outputs) - 8 + (model.loss_bytes(held) if stop == self.n else 0.0)
-        # (the forward run again, the activations kept)
-        kept = [(0.0, acts * held)] if recompute is not True else []
+        # (recomputed, the forward run again, the activations kept)
+        kept = [(False, 0.0, acts * held)] if recompute is not True else []
         if recompute is not False and self.writes[stop] == self.writes[start]:
-            kept.append((fwd, acts + inputs * held))
+            kept.append((True, fwd, acts + inputs * held))
         out = []
-        for per_byte, saved, coll_fwd, coll_bwd in self.ways(stage):
-            static = fixed + params * per_byte - exclusive * saved
-            collectives = exclusive * (coll_fwd + coll_bwd)
-            out.extend((work + collectives + redo, static + keep, fwd + exclusive * coll_fwd) for redo, keep in kept)
+        for rc, redo, keep in kept:
+            unsharded = math.inf  # the unsharded way's memory (listed first)
+            for sharding, per_byte, saved, coll_fwd, coll_bwd, least in self._raised(stage, rc):
+                if least is not None and (not least or unsharded <= least[1]):
+                    # (empty: no stage is too big to run unsharded, so none runs this way; else the unsharded
+                    # way takes no more work, memory or work less forward than this one raised)
+                    continue
+                memory = fixed + params * per_byte - exclusive * saved + keep
+                way_work, way_fwd = work + exclusive * (coll_fwd + coll_bwd) + redo, fwd + exclusive * coll_fwd
+                if least:
+                    raised = max(way_work, least[0])
+                    out.append((raised, max(memory, least[1]), raised - max(way_work - way_fwd, least[2])))
+                    continue
+                if sharding == "none":
+                    unsharded = memory
+                out.append((way_work, memory, way_fwd))
         return out
+
+    def _raised(self, stage: int, recompute: bool) -> list[tuple[str, float, float, float, float, tuple | None]]:
+        """`ways(stage)`, each with what its bounds with this recomputation are raised to (`least_too_big`;
+        empty: it never runs so), or None where they are not."""
+        key = (stage, recompute)
+        if key not in self._raises:
+            self._raises[key] = [(*way, (self.least_too_big(stage, recompute, way[0]) or ())
+                                  if self.shards_only_when_too_big(stage, way[0]) else None)
+                                 for way in self.ways(stage)]
+        return self._raises[key]
+
+    def least_too_big(self, stage: int, recompute: bool, sharding: str) -> tuple[float, float, float] | None:
+        """The least work, memory and work less forward (each on its own) of `sharding`'s way to run any stage
+        as `stage` that does not fit its rank unsharded (None: none is that big). Such a stage [a, b) ends at
+        least at the first stop from a on where an upper bound of its unsharded memory exceeds the rank's room
+        (`CostModel.first_too_big`), and the way's bounds only grow with the stop, and shrink as the start grows
+        (at the last block as the stop, where a stage's outputs need no buffers, only the last start counts). The
+        least depends on the stage only through the micro-batches it holds, whether it has inputs, and its
+        collectives' rates."""
+        key = (self.in_flight[stage], stage > 0, tuple(self.ways(stage)), recompute)
+        if key not in self._least_too_big:
+            model, held = self.model, self.in_flight[stage]
+            inputs = self.least_boundary if stage > 0 else 0.0
+            rows = []  # per stage too big: (forward, backward, parameter bytes, exclusive bytes, other memory)
+            for start, stop in self._too_big(stage, recompute):
+                fwd, bwd, params, exclusive, acts = self._sums(start, stop)
+                outputs = self.least_boundary if stop < self.n else 0.0
+                fixed = self.m * (inputs + outputs) - 8 + (model.loss_bytes(held) if stop == self.n else 0.0)
+                keep = acts + inputs * held if recompute else acts * held
+                rows.append((fwd, bwd + (fwd if recompute else 0.0), params, exclusive, fixed + keep))
+            least = {}
+            for level, per_byte, saved, coll_fwd, coll_bwd in self.ways(stage) if rows else ():
+                least[level] = (min(f + b + e * (coll_fwd + coll_bwd) for f, b, _, e, _ in rows),
+                                min(rest + p * per_byte - e * saved for _, _, p, e, rest in rows),
+                                min(b + e * coll_bwd for _, b, _, e, _ in rows))
+            self._least_too_big[key] = least
+        return self._least_too_big[key].get(sharding)
+
+    def _too_big(self, stage: int, recompute: bool) -> list[tuple[int, int]]:
+        """Stages that every stage too big to run unsharded costs at least as much as, whichever way: per start,
+        its first stop too big (`CostModel.first_too_big`); and the last of those starts with the last block as
+        the stop. They depend on the stage only through the micro-batches it holds."""
+        key = (self.in_flight[stage], recompute)
+        if key not in self._too_big_ranges:
+            stops = self.model.first_too_big(stage, recompute)
+            self._too_big_ranges[key] = [*enumerate(stops), *([(len(stops) - 1, self.n)] if stops else [])]
+        return self._too_big_ranges[key]
+
+    def _sums(self, start: int, stop: int) -> tuple[float, float, float, float, float]:
+        """(forward, backward, parameter bytes, those FSDP shards, activations) of blocks [start, stop), as
+        `_compute_options` counts them."""
+        if (start, stop) not in self._range_sums:
+            model = self.model
+            params = model.param_bytes(start, stop)
+            self._range_sums[start, stop] = (model.forward_s(start, stop), model.backward_s(start, stop, params),
+                                             params, params - model.units(start, stop)[0],
+                                             model.activation_bytes(start, stop))
+        return self._range_sums[start, stop]
 
 
 stage_floors = made_once(StageFloors)  # the model's StageFloors, made once
