@@ -564,6 +564,35 @@ def test_stage_floors_never_exceed_a_way_the_search_runs_a_stage_that_holds_them
     assert checked > 1000 and tight > 10, (checked, tight)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_the_second_stage_ends_tried_hold_every_split_that_fits_memory(seed):
+    """With no best step to cut by, the ends that the rank-by-rank search tries for each rank's second-loop stage
+    (`_second_stops`: cut where the stage's floors over the ways it may run, `StageFloors`, exceed the room that
+    the rank's first stage leaves) hold those of every split of random small looped layouts, with every way to run
+    its stages that fits memory; were the cut made at 0.8 x that room, this would fail."""
+    checked = 0
+    for model in looped_models(random.Random(2700 + seed), 6, (6, 8)):
+        p, n = model.layout.pipeline_size, model.num_blocks
+        partitions = PartitionSearch(model, budget=10**9)  # (the tables' checks count against it)
+        partitions.floors = StageFloors(model)
+        partitions.pair_warmups = [partitions.warmups[r].pair(r, r + p) for r in range(p)]
+        for cuts in itertools.combinations(range(1, n), 2 * p - 1):
+            ranges = list(zip((0,) + cuts, cuts + (n,)))
+            ways = [[c for c in (model.stage(k, a, b, False), model.stage(k, a, b, True)) if c]
+                    for k, (a, b) in enumerate(ranges)]
+            for costs in itertools.product(*ways):
+                state = partitions._pair_root()
+                for r in range(p - 1):
+                    if costs[r].memory.total + costs[r + p].memory.total > model.capacity:
+                        break  # this rank's ways do not fit together
+                    ends = partitions._second_stops(r, ranges[r + p][0], ranges[r][1], ranges[p][0], state, costs[r])
+                    assert ranges[r + p][1] in list(ends), (model.layout, ranges, r)
+                    checked += 1
+                    state = partitions._pair_child(r, ranges[r][1], ranges[r + p][1], ranges[p][0], state, costs[r],
+                                                   costs[r + p])
+    assert checked > 1000, checked
+
+
 def rank_ends_bound(order, costs, m):
     """`_Warmup.bound` of one rank with every stage known (prefixes and round trips from the costs)."""
     f, b, send = costs.forward_s, costs.backward_s, costs.send_activations_s

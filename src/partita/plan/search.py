@@ -741,7 +741,10 @@ class PartitionSearch:
             work = rest.quick_work(d, g, 1)
             if max(rank_start + m * (first.work_s + work), before + m * work) >= limit:
                 return True
-            if model.memory_floor(u, d, g) > room:
+            # (the stage's floors over the ways the search runs it: the memory that sharding saves only where
+            # unsharded it does not fit its rank alone, `StageFloors`)
+            least_memory = min((o[1] for o in self.floors.options(u, d, g, self.recompute)), default=math.inf)
+            if max(model.memory_floor(u, d, g), least_memory) > room:
                 self._note_memory(u, d, g)
                 return True
             return False
