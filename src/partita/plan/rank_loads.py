@@ -58,6 +58,7 @@ class StageFloors:
         self._raises: dict[tuple[int, bool], list[tuple[str, float, float, float, float, tuple | None]]] = {}
         self._too_big_ranges: dict[tuple[int, bool], list[tuple[int, int]]] = {}
         self._range_sums: dict[tuple[int, int], tuple[float, float, float, float, float]] = {}
+        self._rows: dict[tuple[int, bool, bool], set[tuple[float, float, float, float, float]]] = {}
 
     def ways(self, stage: int) -> list[tuple[str, float, float, float, float]]:
         """Per sharding `stage` may take: (the sharding, static bytes per parameter byte, static bytes saved per
@@ -196,15 +197,7 @@ class StageFloors:
         collectives' rates."""
         key = (self.in_flight[stage], stage > 0, tuple(self.ways(stage)), recompute)
         if key not in self._least_too_big:
-            model, held = self.model, self.in_flight[stage]
-            inputs = self.least_boundary if stage > 0 else 0.0
-            rows = []  # per stage too big: (forward, backward, parameter bytes, exclusive bytes, other memory)
-            for start, stop in self._too_big(stage, recompute):
-                fwd, bwd, params, exclusive, acts = self._sums(start, stop)
-                outputs = self.least_boundary if stop < self.n else 0.0
-                fixed = self.m * (inputs + outputs) - 8 + (model.loss_bytes(held) if stop == self.n else 0.0)
-                keep = acts + inputs * held if recompute else acts * held
-                rows.append((fwd, bwd + (fwd if recompute else 0.0), params, exclusive, fixed + keep))
+            rows = self._too_big_rows(stage, recompute)
             least = {}
             for level, per_byte, saved, coll_fwd, coll_bwd in self.ways(stage) if rows else ():
                 least[level] = (min(f + b + e * (coll_fwd + coll_bwd) for f, b, _, e, _ in rows),
@@ -212,6 +205,23 @@ class StageFloors:
                                 min(b + e * coll_bwd for _, b, _, e, _ in rows))
             self._least_too_big[key] = least
         return self._least_too_big[key].get(sharding)
+
+    def _too_big_rows(self, stage: int, recompute: bool) -> set[tuple[float, float, float, float, float]]:
+        """Per stage of `_too_big`: (forward, backward, parameter bytes, those FSDP shards, memory but the
+        parameters'), each once."""
+        key = (self.in_flight[stage], stage > 0, recompute)
+        if key not in self._rows:
+            model, held = self.model, self.in_flight[stage]
+            inputs = self.least_boundary if stage > 0 else 0.0
+            rows = set()
+            for start, stop in self._too_big(stage, recompute):
+                fwd, bwd, params, exclusive, acts = self._sums(start, stop)
+                outputs = self.least_boundary if stop < self.n else 0.0
+                fixed = self.m * (inputs + outputs) - 8 + (model.loss_bytes(held) if stop == self.n else 0.0)
+                keep = acts + inputs * held if recompute else acts * held
+                rows.add((fwd, bwd + (fwd if recompute else 0.0), params, exclusive, fixed + keep))
+            self._rows[key] = rows
+        return self._rows[key]
 
     def _too_big(self, stage: int, recompute: bool) -> list[tuple[int, int]]:
         """Stages that every stage too big to run unsharded costs at least as much as, whichever way: per start,
