@@ -21,6 +21,7 @@ Every stage records the actions it runs (`executed`), so tests hold the runtime 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -173,19 +174,27 @@ class Pipeline:
         # this rank's actions in the order of the plan's schedule, in time steps every rank of the pipeline shares
         # (schedule.lockstep says why): all of them in one call (`step`), or the forwards now and the backwards
         # when the user's loss reaches the outputs (`forward`, `backward`)
-        everyone = orders(plan.schedule, plan.num_stages, plan.pipeline_size, plan.micro_batches)
-        position = replica_ranks.index(rank)
-        self.steps = lockstep(everyone, plan.num_stages)[position]
-        self.forward_steps = lockstep([[a for a in o if a.op == FORWARD] for o in everyone], plan.num_stages)[position]
-        self.backward_steps = lockstep([[a for a in o if a.op != FORWARD] for o in everyone],
-                                       plan.num_stages)[position]
+        self.orders = orders(plan.schedule, plan.num_stages, plan.pipeline_size, plan.micro_batches)
+        self.position = replica_ranks.index(rank)
         # each stage's micro-batch whose backward finishes its weights' gradients (a B, or the W after an I)
-        self.last_backward = {a.stage: a.micro_batch for a in everyone[position]
+        self.last_backward = {a.stage: a.micro_batch for a in self.orders[self.position]
                               if a.op in (FULL_BACKWARD, BACKWARD_WEIGHT)}
         self.has_backward = has_backward
         self.loss_fn = loss_fn
         self._prepared = False
         self.forwards_run = 0  # calls of `forward`: a later one replaces the activations an earlier one kept
+
+    @functools.cached_property
+    def steps(self) -> tuple[Exchange, ...]:
+        return lockstep(self.orders, self.plan.num_stages)[self.position]
+
+    @functools.cached_property
+    def forward_steps(self) -> tuple[Exchange, ...]:
+        return lockstep([[a for a in o if a.op == FORWARD] for o in self.orders], self.plan.num_stages)[self.position]
+
+    @functools.cached_property
+    def backward_steps(self) -> tuple[Exchange, ...]:
+        return lockstep([[a for a in o if a.op != FORWARD] for o in self.orders], self.plan.num_stages)[self.position]
 
     @property
     def has_first(self) -> bool:
