@@ -6,8 +6,10 @@ GPU machines carry 2.11, CI 2.13). Everything version-specific about pipeline st
 - 2.11 marks every tensor a stage receives as requiring gradients, integer ones too (a GPT's position ids
   crossing stages), which torch refuses; it refuses a missing gradient (an integer input's) handed back
   between two stages of one rank, and refuses to send one back to another rank, where the sender waits for
-  every gradient (2.13 sends zeros); and it checks each output's strides against the contiguous shapes the
-  stage was built with (BERT returns an expanded mask). 2.13 does none of these (`VersionedStage`).
+  every gradient (2.13 sends zeros); it checks each output's strides against the contiguous shapes the stage
+  was built with (BERT returns an expanded mask); and its input half of a split backward (zero-bubble
+  schedules) gives gradients for the inputs that require them only, where 2.13 gives one per input. 2.13 does
+  none of these (`VersionedStage`).
 """
 
 from __future__ import annotations
@@ -75,5 +77,20 @@ class VersionedStage(PipelineStage):
             inputs = self.args_recv_info[bwd_chunk_id]
             self.bwd_cache[bwd_chunk_id] = tuple(
                 torch.zeros_like(info.buffer) if grad is None and getattr(info, "buffer", None) is not None else grad
-                for grad, info in zip(self.bwd_cache[bwd_chunk_id], inputs, strict=True))
+                for grad, info in zip(self._input_grads(bwd_chunk_id), inputs, strict=True))
         return super().get_bwd_send_ops(bwd_chunk_id)
+
+    def get_local_bwd_output(self, mb_index: int):
+        if STATIC_METADATA is None and mb_index in self.bwd_cache:
+            self.bwd_cache[mb_index] = self._input_grads(mb_index)
+        return super().get_local_bwd_output(mb_index)
+
+    def _input_grads(self, mb_index: int) -> tuple:
+        """One gradient (or None) per input: 2.11's input half (zero-bubble schedules) gives them for the inputs
+        that require gradients only, in order."""
+        grads, inputs = tuple(self.bwd_cache[mb_index]), self.args_recv_info[mb_index]
+        if len(grads) == len(inputs):
+            return grads
+        given = iter(grads)
+        return tuple(next(given) if getattr(getattr(info, "buffer", None), "requires_grad", False) else None
+                     for info in inputs)
