@@ -8,7 +8,7 @@ Model (what `simulate` assumes):
 - B(s, m) and I(s, m) need the input gradient from stage s+1: the end of B(s+1, m) or I(s+1, m) plus
   `send_gradients_s[s+1]`. The last stage needs only its own F(s, m), which ran earlier on the same rank.
   W(s, m) needs only I(s, m), earlier on the same rank.
-- A transfer does not occupy the sender's compute (torch posts sends with batch_isend_irecv and moves on).
+- A transfer does not occupy the sender's compute (the runtime posts sends with batch_isend_irecv and moves on).
   It is a plain delay: no bandwidth shared between concurrent transfers, no link contention. Between two
   stages on the same rank (V-shaped schedules) it takes no time, whatever the costs say.
 - After the last action of the pipeline every rank runs its tail: the part of its gradients' all-reduce that
