@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from partita.errors import ModelError
 from partita.runtime import agreement
+from partita.runtime.construction import Construction, Op, Unrebuildable, recorded_construction
 from partita.runtime.host_copies import HostCopies
 from partita.runtime.optim import repoint_optimizer
 from partita.runtime.ownership import named_state
@@ -266,8 +268,13 @@ def _broadcast_kept(places: list[_Place], keep: set[str], device: torch.device) 
 
 def _initialize(module: nn.Module, meta: list[_Place], keep: set[str], initial: Initial) -> None:
     """Give the meta tensors the values building the model on the CPU would have, on rank 0's random stream as
-    it was when parallelize was called, by running the initializations that building it ran, in that order
-    (`_steps`).
+    it was when parallelize was called.
+
+    When the model can be built again (`construction.recorded_construction`), the ops building it made are run
+    again for real on the CPU, in their order (`_replay`): every draw, every module's and every parent's, a
+    Hugging Face model's post_init included; then a user's `init_fn` as model.apply(init_fn) runs it. Otherwise
+    partita runs the initializations it can see (`_steps`), and warns about the modules whose `__init__` it
+    cannot see.
 
     Every rank runs every initialization, kept or not, so that its stream stays where rank 0's is, and checks
     every tensor, so that all raise the same error. A tensor the rank does not keep lives only while an
@@ -279,13 +286,27 @@ def _initialize(module: nn.Module, meta: list[_Place], keep: set[str], initial: 
     placed = {id(p.tensor): p for p in meta}
     own = {m: [(attr, t) for attr, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
                if id(t) in placed] for m in module.modules()}
-    _check_initializable(module, [m for m in own if own[m]], initial.init_fn)
+    built = recorded_construction(module)
     was_set: set[int] = set()  # the tensors dropped with a value some initialization had set
     others = _OthersMadeReal(meta)
     saved = torch.get_rng_state()
-    torch.set_rng_state(_rank0_random_state(initial.random_state))
+    rank0 = _rank0_random_state(initial.random_state)
+    torch.set_rng_state(rank0)
     try:
-        for step in _steps(module, own, initial.init_fn):
+        if isinstance(built, Construction):
+            try:
+                was_set = _replay(built, meta, keep)
+            except _CannotReplay as e:
+                built = Unrebuildable(str(e))
+                torch.set_rng_state(rank0)
+        if isinstance(built, Construction):
+            steps = [] if initial.init_fn is None or _hugging_face_model_class(initial.init_fn) is not None else [
+                _Step(m, initial.init_fn, frozenset(id(t) for _, t in own[m])) for m in _applied(module)]
+        else:
+            _check_initializable(module, [m for m in own if own[m]], initial.init_fn)
+            _warn_unseen(module, own, built)
+            steps = _steps(module, own, initial.init_fn)
+        for step in steps:
             for p in _run_init(step, own[step.module], placed, others):
                 if not keep.intersection(p.names):
                     if not _is_unset(p.value):
@@ -300,6 +321,122 @@ def _initialize(module: nn.Module, meta: list[_Place], keep: set[str], initial: 
                          "of their modules sets them, and no init_fn given does). Pass init_fn= to parallelize (a "
                          "function that sets them, e.g. a Hugging Face model's _init_weights), or load them with "
                          "weights=.")
+
+
+def _warn_unseen(module: nn.Module, own: dict[nn.Module, list[tuple[str, torch.Tensor]]],
+                 why: Unrebuildable) -> None:
+    """The modules partita takes to have drawn in `__init__` as init_fn draws, which it cannot check."""
+    unseen = [name for name, m in module.named_modules() if own.get(m) and not callable(getattr(m, "reset_parameters",
+                                                                                                 None))]
+    if unseen:
+        warnings.warn(
+            f"partita cannot build {type(module).__name__} again on the meta device to see what building it drew "
+            f"({why.reason}), so it takes {len(unseen)} of its modules without reset_parameters() "
+            f"({', '.join(repr(n) for n in unseen[:_SHOWN])}{' ...' if len(unseen) > _SHOWN else ''}) to have drawn "
+            "their tensors in __init__ as init_fn draws them: if they drew otherwise (torch.empty draws nothing), or "
+            "a parent's __init__ drew its children's tensors again, the model starts from other values than the "
+            "model built on the CPU. Keep the model's constructor arguments as attributes of the same names, load "
+            "its values with weights=, or build it on the CPU.", stacklevel=2)
+
+
+# in-place ops whose result does not depend on what the tensor they write held
+_OVERWRITES = frozenset({"normal_", "uniform_", "fill_", "zero_", "copy_", "random_", "exponential_", "bernoulli_",
+                         "cauchy_", "log_normal_", "geometric_"})
+_ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
+
+
+class _CannotReplay(Exception):
+    pass
+
+
+def _storage(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _op_name(op: Op) -> str:
+    return op.func._schema.name.split("::")[-1]
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """Whether `t` covers its storage."""
+    return t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+
+
+def _reads(ops: tuple[Op, ...]) -> list[set[StorageWeakRef]]:
+    """Per op, the meta storages whose values it reads: every one among its arguments, except the tensor an
+    in-place overwrite writes whole."""
+    def storages(tree) -> set[StorageWeakRef]:
+        return {_storage(t) for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_meta}
+
+    return [storages((op.args[1:], op.kwargs)) if _op_name(op) in _OVERWRITES and op.args and _whole(op.args[0])
+            else storages((op.args, op.kwargs)) for op in ops]
+
+
+def _replay(built: Construction, meta: list[_Place], keep: set[str]) -> set[int]:
+    """Run the ops building the model made, on the CPU, in their order, from the random stream as it is: the
+    meta places get the values they end with; those this rank does not keep live only from an op that makes or
+    reads them to the last op that reads them before another overwrites them. The ids of the tensors dropped
+    with a value some op had set."""
+    by_name = {n: p for p in meta for n in p.names}
+    final = {id(p): built.tensors[p.names[0]] for p in meta}
+    kept_storages = {_storage(final[id(p)]) for p in meta if keep.intersection(p.names)}
+    places_in = {}
+    for p in meta:
+        places_in.setdefault(_storage(final[id(p)]), []).append(p)
+    ops = built.ops
+    reads = _reads(ops)
+    touched = [{_storage(t) for t in pytree.tree_leaves((op.args, op.kwargs, op.out))
+                if isinstance(t, torch.Tensor) and t.is_meta} for op in ops]
+    # after each op, the storages touched there whose values no later op reads before overwriting them whole
+    needed: set[StorageWeakRef] = set(kept_storages)
+    done_after: list[set[StorageWeakRef]] = [set()] * len(ops)
+    for i in reversed(range(len(ops))):
+        done_after[i] = touched[i] - needed
+        needed = (needed - touched[i]) | reads[i] | kept_storages
+    bases: dict[StorageWeakRef, torch.Tensor] = {}
+    was_set: set[int] = set()
+
+    def real(t):
+        if isinstance(t, torch.device):
+            return _cpu_for_meta(t)
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return t
+        base = bases.get(_storage(t))
+        if base is None:  # made before: a value an overwrite replaces whole
+            base = bases[_storage(t)] = _unset(torch.empty(t.untyped_storage().nbytes() // t.element_size(),
+                                                            dtype=t.dtype, device="meta"))
+        if base.dtype != t.dtype:
+            base = base.view(t.dtype)
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def drop(s: StorageWeakRef) -> None:
+        for p in places_in.get(s, []):
+            if not _is_unset(real(final[id(p)])):
+                was_set.add(id(p.tensor))
+        del bases[s]
+
+    with torch.no_grad():
+        for i, op in enumerate(ops):
+            args, kwargs = pytree.tree_map(real, (op.args, op.kwargs))
+            out = op.func(*args, **kwargs)
+            if _op_name(op) in _ALLOCATIONS:
+                out.copy_(_unset(out))
+            for probe, value in zip(pytree.tree_leaves(op.out), pytree.tree_leaves(out)):
+                if isinstance(probe, torch.Tensor) and probe.is_meta and _storage(probe) not in bases:
+                    if (value.stride(), value.storage_offset()) != (probe.stride(), probe.storage_offset()):
+                        raise _CannotReplay(f"{op.func} lays its result out otherwise on the CPU")
+                    bases[_storage(probe)] = torch.empty(0, dtype=value.dtype).set_(value.untyped_storage())
+            for s in done_after[i]:
+                if s in bases:
+                    drop(s)
+    for p in meta:
+        value = real(final[id(p)])
+        if not final[id(p)].is_meta:  # a constant the constructor computed on the CPU
+            was_set.add(id(p.tensor))
+            value = value.clone()
+        if keep.intersection(p.names):
+            p.value = value if _whole(value) else value.clone()
+    return was_set
 
 
 @dataclass(frozen=True)
@@ -428,6 +565,8 @@ class _OthersMadeReal(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         args, kwargs = pytree.tree_map_only(torch.Tensor, self._real, (args, kwargs or {}))
+        # a tensor made on a meta tensor's .device (Mamba's init_mamba_weights) is made where the init runs
+        args, kwargs = pytree.tree_map_only(torch.device, _cpu_for_meta, (args, kwargs))
         return func(*args, **kwargs)
 
     def _real(self, t: torch.Tensor) -> torch.Tensor:
@@ -445,6 +584,10 @@ class _OthersMadeReal(TorchDispatchMode):
                              "out unlike the tensor: partita cannot find that part.")
         return value.as_strided(t.shape, t.stride(), value.storage_offset() + t.storage_offset()
                                 - base.storage_offset())
+
+
+def _cpu_for_meta(device: torch.device) -> torch.device:
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 def _unset(t: torch.Tensor) -> torch.Tensor:
