@@ -15,8 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from partita.runtime.materialize import Initial, initial_of, materialize
+from partita.runtime.materialize import initial_of, materialize
 from partita.runtime.ownership import named_state
+
+from models import SmallGPT, TutorialMLP
 
 _SIZES = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
               intermediate_size=64, num_experts_per_tok=2, vocab_size=100, max_position_embeddings=32,
@@ -128,8 +130,22 @@ def test_a_parent_that_draws_its_children_again_is_replayed():
 
 
 def test_a_model_partita_cannot_build_again_is_warned_about_naming_the_modules():
-    with pytest.warns(UserWarning, match=r"cannot build Unkept again .*'width'.* \('gain'\)"):
+    with pytest.warns(UserWarning, match=r"cannot build Unkept again .*'width'.*'gain' \(Gain\) \(without reset"):
         _built_both_ways(lambda: Unkept(8), lambda m: _ones_for_gains)
+
+
+def test_a_parent_partita_cannot_build_again_that_draws_its_children_again_is_named():
+    """SmallGPT keeps none of its arguments and draws its blocks' weights again in __init__."""
+    with pytest.warns(UserWarning, match=r"cannot build SmallGPT again .*the __init__ of '\(the model\)' "
+                                         r"\(SmallGPT\) \(calling normal_\) draws or writes its submodules' tensors"):
+        _built_both_ways(lambda: SmallGPT(vocab=32, dim=16, heads=2, layers=2, context=8))
+
+
+def test_a_plain_model_partita_cannot_build_again_is_not_warned_about():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        want, got, keep = _built_both_ways(lambda: TutorialMLP(16, 3))
+    assert all(torch.equal(got[n], want[n]) for n in keep)
 
 
 def test_the_random_stream_is_left_where_it_was():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -325,18 +326,53 @@ def _initialize(module: nn.Module, meta: list[_Place], keep: set[str], initial: 
 
 def _warn_unseen(module: nn.Module, own: dict[nn.Module, list[tuple[str, torch.Tensor]]],
                  why: Unrebuildable) -> None:
-    """The modules partita takes to have drawn in `__init__` as init_fn draws, which it cannot check."""
-    unseen = [name for name, m in module.named_modules() if own.get(m) and not callable(getattr(m, "reset_parameters",
-                                                                                                 None))]
+    """What partita cannot see when it cannot build the model again: what the modules without
+    reset_parameters() drew in __init__ (taken to be what init_fn draws), and the parents whose __init__ draws or
+    writes their children's tensors again (found by the names their code calls)."""
+    unseen = [_shown_name(module, n) for n, m in module.named_modules()
+              if own.get(m) and not callable(getattr(m, "reset_parameters", None))]
+    rewriting = {_shown_name(module, n): calls for n, m in module.named_modules() if (calls := _rewriting_calls(m))}
+    if not unseen and not rewriting:
+        return
+    ifs = []
+    if rewriting:
+        ifs.append("the __init__ of " + ", ".join(f"{n} (calling {', '.join(sorted(c))})"
+                                                  for n, c in list(rewriting.items())[:_SHOWN])
+                   + " draws or writes its submodules' tensors again after building them")
     if unseen:
-        warnings.warn(
-            f"partita cannot build {type(module).__name__} again on the meta device to see what building it drew "
-            f"({why.reason}), so it takes {len(unseen)} of its modules without reset_parameters() "
-            f"({', '.join(repr(n) for n in unseen[:_SHOWN])}{' ...' if len(unseen) > _SHOWN else ''}) to have drawn "
-            "their tensors in __init__ as init_fn draws them: if they drew otherwise (torch.empty draws nothing), or "
-            "a parent's __init__ drew its children's tensors again, the model starts from other values than the "
-            "model built on the CPU. Keep the model's constructor arguments as attributes of the same names, load "
-            "its values with weights=, or build it on the CPU.", stacklevel=2)
+        ifs.append(f"{', '.join(unseen[:_SHOWN])}{' ...' if len(unseen) > _SHOWN else ''} (without "
+                   "reset_parameters(), taken to draw in __init__ as init_fn does) drew otherwise (torch.empty draws "
+                   "nothing)")
+    warnings.warn(
+        f"partita cannot build {type(module).__name__} again on the meta device to see what building it did "
+        f"({why.reason}). It initializes each module by its reset_parameters() and init_fn, so the model starts from "
+        f"other values than the model built on the CPU if {', or if '.join(ifs)}. Keep the model's constructor "
+        "arguments as attributes of the same names, load its values with weights=, or build it on the CPU.",
+        stacklevel=3)
+
+
+def _shown_name(module: nn.Module, name: str) -> str:
+    return f"'{name or '(the model)'}' ({type(module.get_submodule(name)).__name__})"
+
+
+# what an __init__ calls to draw or write tensors after building them (nanoGPT's self.apply(self._init_weights))
+_REWRITING_CALLS = frozenset({"apply", "normal_", "uniform_", "zero_", "zeros_", "fill_", "ones_", "constant_",
+                              "copy_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                              "kaiming_normal_", "orthogonal_", "_init_weights", "init_weights"})
+
+
+def _rewriting_calls(m: nn.Module) -> set[str]:
+    """Of _REWRITING_CALLS, those the __init__ of `m`'s classes (not torch's own) names, when `m` has children."""
+    if next(m.children(), None) is None:
+        return set()
+    inits = [vars(c)["__init__"] for c in type(m).__mro__
+             if "__init__" in vars(c) and not c.__module__.startswith("torch.")]
+    return set().union(*(_names_in(f.__code__) for f in inits if hasattr(f, "__code__"))) & _REWRITING_CALLS
+
+
+def _names_in(code: types.CodeType) -> set[str]:
+    """The global and attribute names a function's code uses, its nested functions' (comprehensions) included."""
+    return set(code.co_names).union(*(_names_in(c) for c in code.co_consts if isinstance(c, types.CodeType)))
 
 
 # in-place ops whose result does not depend on what the tensor they write held
@@ -377,7 +413,6 @@ def _replay(built: Construction, meta: list[_Place], keep: set[str]) -> set[int]
     meta places get the values they end with; those this rank does not keep live only from an op that makes or
     reads them to the last op that reads them before another overwrites them. The ids of the tensors dropped
     with a value some op had set."""
-    by_name = {n: p for p in meta for n in p.names}
     final = {id(p): built.tensors[p.names[0]] for p in meta}
     kept_storages = {_storage(final[id(p)]) for p in meta if keep.intersection(p.names)}
     places_in = {}
@@ -417,8 +452,13 @@ def _replay(built: Construction, meta: list[_Place], keep: set[str]) -> set[int]
 
     with torch.no_grad():
         for i, op in enumerate(ops):
+            if reads[i] - bases.keys():
+                raise _CannotReplay(f"{op.func} reads a meta tensor the constructor did not make")
             args, kwargs = pytree.tree_map(real, (op.args, op.kwargs))
-            out = op.func(*args, **kwargs)
+            try:
+                out = op.func(*args, **kwargs)
+            except Exception as e:  # an op of the constructor's that runs on meta tensors only
+                raise _CannotReplay(f"{op.func} fails on the CPU ({type(e).__name__}: {e})") from e
             if _op_name(op) in _ALLOCATIONS:
                 out.copy_(_unset(out))
             for probe, value in zip(pytree.tree_leaves(op.out), pytree.tree_leaves(out)):
@@ -430,12 +470,12 @@ def _replay(built: Construction, meta: list[_Place], keep: set[str]) -> set[int]
                 if s in bases:
                     drop(s)
     for p in meta:
-        value = real(final[id(p)])
-        if not final[id(p)].is_meta:  # a constant the constructor computed on the CPU
+        constant = not final[id(p)].is_meta  # computed on the CPU from constants
+        if constant:
             was_set.add(id(p.tensor))
-            value = value.clone()
         if keep.intersection(p.names):
-            p.value = value if _whole(value) else value.clone()
+            value = real(final[id(p)])
+            p.value = value if _whole(value) and not constant else value.clone()
     return was_set
 
 
