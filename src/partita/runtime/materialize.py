@@ -4,10 +4,11 @@
   was), keeps the tensors its stages read, on its device, and frees the rest. Rank 0's values go out in
   buckets, so that no rank ever holds a second copy of the model.
 - Built on the meta device (no memory at all): every rank replays rank 0's random stream, as it was when
-  `parallelize` was called, through the initializations building the model ran (a Hugging Face model's as
-  Hugging Face runs them), so that the values are those the model built on the CPU in one process would have
-  had. A tensor exists only while an initialization that touches it runs (its own module's or a parent's);
-  what the rank does not keep is dropped at once. The random stream is then put back where it was.
+  `parallelize` was called, through the ops building the model made (`construction`: the model built again on
+  the meta device, recorded), or where it cannot be built again through the initializations partita can see
+  (reset_parameters(), init_fn, a Hugging Face model's as Hugging Face runs them), so that the values are those
+  the model built on the CPU in one process would have had. A tensor the rank does not keep exists only while
+  the ops that make and read it run; then it is dropped. The random stream is then put back where it was.
 - With `weights=`: each rank reads only the tensors it keeps from the file; the tensors a file does not hold
   (buffers that are not in a state dict) come from the model as above.
 
