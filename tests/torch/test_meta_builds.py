@@ -40,6 +40,9 @@ def _hf(name: str) -> nn.Module:
         return tr.MixtralForCausalLM(tr.MixtralConfig(num_local_experts=4, **_SIZES))
     if name == "olmoe":
         return tr.OlmoeForCausalLM(tr.OlmoeConfig(num_experts=4, **_SIZES))
+    if name == "qwen2_moe":
+        return tr.Qwen2MoeForCausalLM(tr.Qwen2MoeConfig(num_experts=4, moe_intermediate_size=32,
+                                                        shared_expert_intermediate_size=32, **_SIZES))
     if name == "mamba":
         return tr.MambaForCausalLM(tr.MambaConfig(num_hidden_layers=2, hidden_size=32, state_size=4, vocab_size=100,
                                                   use_cache=False))
@@ -113,7 +116,7 @@ def _built_both_ways(make, init_fn=None, keep_every=1):
     return want, got, keep
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "mixtral", "olmoe", "mamba", "gpt2"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "mixtral", "olmoe", "qwen2_moe", "mamba", "gpt2"])
 @pytest.mark.parametrize("keep_every", [1, 2])
 def test_hugging_face_models_on_the_meta_device_equal_the_cpu_built(name, keep_every):
     with warnings.catch_warnings():
@@ -156,3 +159,17 @@ def test_the_random_stream_is_left_where_it_was():
     before = torch.get_rng_state()
     materialize(model, None, set(named_state(model)), device=torch.device("cpu"), initial=initial)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_mamba_that_partita_cannot_build_again_is_warned_about_not_a_torch_error():
+    """Its init makes a tensor on a child's .device (meta until the init touches it): that tensor is made on the
+    CPU, where the init runs, and the warning names the modules partita cannot see into."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = _hf("mamba")
+    model.config.hidden_size = 48  # built again, it would differ
+    with pytest.warns(UserWarning, match=r"cannot build MambaForCausalLM again .*'backbone.embeddings.weight' is "
+                                         r"\(100, 48\).*'backbone.layers.0.mixer' \(MambaMixer\)"):
+        materialize(model, None, set(named_state(model)), device=torch.device("cpu"),
+                    initial=initial_of(model, model._init_weights, None))
+    assert all(torch.isfinite(t).all() for t in named_state(model).values() if t.is_floating_point())
