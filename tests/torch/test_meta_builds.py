@@ -173,3 +173,22 @@ def test_mamba_that_partita_cannot_build_again_is_warned_about_not_a_torch_error
         materialize(model, None, set(named_state(model)), device=torch.device("cpu"),
                     initial=initial_of(model, model._init_weights, None))
     assert all(torch.isfinite(t).all() for t in named_state(model).values() if t.is_floating_point())
+
+
+class KeptGain(nn.Module):
+    """Draws its own parameter in __init__, has no reset_parameters(), and keeps its argument."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.d = d
+        self.gain = nn.Parameter(torch.randn(d) * 0.1 + 1)
+
+
+def test_a_sequential_is_built_again_module_by_module():
+    """A torch container is the construction of each of its modules, in its order: a module without
+    reset_parameters() that draws in __init__ needs no init_fn, and a Linear without a bias is built again so."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        want, got, keep = _built_both_ways(lambda: nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh(), KeptGain(8),
+                                                                 nn.ModuleList([nn.Linear(8, 4)])), keep_every=2)
+    assert not [n for n in keep if not torch.equal(got[n], want[n])]

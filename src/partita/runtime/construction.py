@@ -9,7 +9,8 @@ tensor on the meta device, under a mode that records every op, says exactly that
 for real on the CPU, in their order, so that the random stream is drawn as building on the CPU draws it.
 
 The constructor is called with the arguments the model keeps under their own names (a Hugging Face model's or
-nanoGPT's `config`; arguments with defaults may be left out). The rebuilt model must have the same tensors,
+nanoGPT's `config`, nn.Linear's sizes; arguments with defaults may be left out); a torch container
+(nn.Sequential, nn.ModuleList, nn.ModuleDict) is the construction of each of its modules, in its order. The rebuilt model must have the same tensors,
 shapes, dtypes and ties as the model, or the recording is not used (`Unrebuildable` says why).
 """
 
@@ -85,23 +86,26 @@ def constructor_arguments(module: nn.Module) -> dict[str, object] | Unrebuildabl
             if p.kind == p.POSITIONAL_ONLY and p.default is p.empty:
                 return Unrebuildable(f"its __init__ takes '{name}' by position only")
             continue
-        value = getattr(module, name, inspect.Parameter.empty) if name in _kept(module) else inspect.Parameter.empty
-        if value is not inspect.Parameter.empty and not isinstance(value, (nn.Module, torch.Tensor)) \
-                and not inspect.ismethod(value):
+        value = vars(module).get(name, _MISSING)
+        if value is _MISSING and not hasattr(type(module), name) and getattr(module, name, _MISSING) is None:
+            value = None  # a parameter or buffer registered as None: nn.Linear's bias=False
+        if value is not _MISSING and not isinstance(value, (nn.Module, torch.Tensor)) and not inspect.ismethod(value):
             kwargs[name] = value
         elif p.default is p.empty:
             return Unrebuildable(f"its __init__ takes '{name}', which it does not keep as an attribute of that name")
     return kwargs
 
 
-def _kept(module: nn.Module) -> set[str]:
-    """The names the module keeps as its own attributes (not its class's)."""
-    return set(vars(module))
+_MISSING = object()
+# torch's containers: their __init__ only registers the modules it is given, built before it in its order
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def recorded_construction(module: nn.Module) -> Construction | Unrebuildable:
-    """Build `module` again on the meta device from `constructor_arguments`, recording its ops. The CPU random
-    stream is left where it was."""
+    """Build `module` again on the meta device from `constructor_arguments`, recording its ops (a torch container:
+    each of its modules, in its order). The CPU random stream is left where it was."""
+    if type(module) in _CONTAINERS:
+        return _containers_construction(module)
     kwargs = constructor_arguments(module)
     if isinstance(kwargs, Unrebuildable):
         return kwargs
@@ -120,6 +124,20 @@ def recorded_construction(module: nn.Module) -> Construction | Unrebuildable:
     if differs:
         return Unrebuildable(f"built again from {sorted(kwargs) or 'its defaults'}, it differs: {differs}")
     return Construction(tuple(recorder.ops), tensors)
+
+
+def _containers_construction(module: nn.Module) -> Construction | Unrebuildable:
+    ops: list[Op] = []
+    tensors: dict[str, torch.Tensor] = {}
+    for name, child in module.named_children():
+        built = recorded_construction(child)
+        if isinstance(built, Unrebuildable):
+            return Unrebuildable(f"its module '{name}' ({type(child).__name__}): {built.reason}")
+        ops += built.ops
+        tensors.update((f"{name}.{n}", t) for n, t in built.tensors.items())
+    differs = _differences(named_state(module), tensors)
+    return Unrebuildable(f"built again module by module, it differs: {differs}") if differs else \
+        Construction(tuple(ops), tensors)
 
 
 def _differences(mine: dict[str, torch.Tensor], rebuilt: dict[str, torch.Tensor]) -> str:
