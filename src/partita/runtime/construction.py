@@ -5,13 +5,15 @@ constructor did: which modules drew their tensors in `__init__` (nn.Linear throu
 Conv1D with normal_), which only allocated them (torch.empty: Mixtral's experts and routers), which computed a
 buffer, which parent drew its children's tensors again after building them (nanoGPT's
 `self.apply(self._init_weights)`, Hugging Face's post_init). Building it again, as on the CPU but with every
-tensor on the meta device, under a mode that records every op, says exactly that, at no memory cost; `runtime.materialize` then runs the recorded ops
-for real on the CPU, in their order, so that the random stream is drawn as building on the CPU draws it.
+tensor on the meta device, under a mode that records every op, says exactly that, at no memory cost;
+`runtime.materialize` then runs the recorded ops for real on the CPU, in their order, so that the random stream
+is drawn as building on the CPU draws it.
 
 The constructor is called with the arguments the model keeps under their own names (a Hugging Face model's or
 nanoGPT's `config`, nn.Linear's sizes; arguments with defaults may be left out); a torch container
-(nn.Sequential, nn.ModuleList, nn.ModuleDict) is the construction of each of its modules, in its order. The rebuilt model must have the same tensors,
-shapes, dtypes and ties as the model, or the recording is not used (`Unrebuildable` says why).
+(nn.Sequential, nn.ModuleList, nn.ModuleDict) is the construction of each of its modules, in its order. The
+rebuilt model must have the same tensors, shapes, dtypes and ties as the model, or the recording is not used
+(`Unrebuildable` says why).
 """
 
 from __future__ import annotations
