@@ -7,9 +7,9 @@ the first micro-batch never reaches it. Each expert computes only the tokens rou
 sizes that depend on the routing. `routed_skip` is the same model, except that eager runs skip an expert no
 token reached (as Mixtral-style loops do): its parameters then get no gradient at all on a rank whose rows
 never reach it. `idle` and `idle_skip` train them on batches without TRIGGER, so that no row of any rank
-reaches the last expert. `hf_mixtral`, `hf_qwen2_moe`, `hf_olmoe`, `hf_qwen3_moe` and `hf_deepseek_v3` are tiny transformers MoE causal
-LMs (4 experts, 2 per token), whose experts are one 3-d parameter each (every expert gets a gradient, zero or
-not).
+reaches the last expert. `hf_mixtral`, `hf_qwen2_moe`, `hf_olmoe`, `hf_qwen3_moe` and `hf_deepseek_v3` are tiny
+transformers MoE causal LMs (4 experts, 2 per token), whose experts are one 3-d parameter each (every expert gets
+a gradient, zero or not).
 """
 
 from __future__ import annotations
