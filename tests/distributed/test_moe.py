@@ -135,3 +135,17 @@ def test_first_call_measures_and_trains(pools, name):
     results = pools.run(2, "support.moe_cases:measured_step", name, stages=2)
     assert all(r["plan"]["estimate"]["profile"].startswith("measured") for r in results)
     assert all(math.isfinite(r["loss"]) and r["loss"] == results[0]["loss"] for r in results)
+
+
+@pytest.mark.parametrize("name", ["hf_qwen3_moe", "hf_deepseek_v3", pytest.param("hf_mixtral", marks=pytest.mark.slow),
+                                  pytest.param("hf_olmoe", marks=pytest.mark.slow)])
+def test_hugging_face_moe_built_on_the_meta_device(pools, name):
+    """Experts and routers allocated with torch.empty draw nothing until post_init: built on the meta device with
+    init_fn=model._init_weights, every rank holds its part of the model with the CPU-built model's values, bit
+    for bit, and trains to its losses."""
+    results = pools.run(2, "support.moe_cases:hf_on_meta", name, stages=2, micro_batches=2)
+    for rank, r in enumerate(results):
+        assert not r["differ"], f"rank {rank}: initial values unlike the CPU-built model's: {r['differ']}"
+        assert r["losses"] == r["cpu_losses"] and r["finite"]
+    held = [set(r["held"]) for r in results]
+    assert set().union(*held) == set(results[0]["every"]) and all(h < set(results[0]["every"]) for h in held)

@@ -59,6 +59,20 @@ class RunsShell:
         return os.system, (self.command,)
 
 
+class RedrawsChildren(nn.Module):
+    """Draws its layers' weights again after building them (as nanoGPT does), and keeps no argument under its name:
+    built on the meta device, partita cannot replay that."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 1))
+        for p in self.parameters():
+            nn.init.normal_(p, std=0.02)
+
+    def forward(self, x):
+        return self.body(x)
+
+
 def damage(kind: str, checkpoint: str) -> None:
     data = os.path.join(checkpoint, "__0_0.distcp")
     content = bytearray(open(data, "rb").read())
@@ -171,6 +185,20 @@ def main() -> None:
             model(*batch(8, seed=step)).backward()
             opt.step()
             opt.zero_grad()
+    elif CASE == "meta_parent_redraws_children":  # issue 30, 12: partita cannot replay what its __init__ draws
+        with torch.device("meta"):
+            net = RedrawsChildren(16)
+        partita.parallelize(net, loss_fn=mse, stages=1)(*batch(8)).backward()
+    elif CASE == "weights_not_finite":  # issue 30, 12: a safetensors file carries no checksums
+        from safetensors.torch import save_file
+
+        path = os.path.join(DIR, "w.safetensors")
+        if rank == 0:
+            state = {n: t.clone() for n, t in mlp().state_dict().items()}
+            state["2.weight"][0, 0] = float("nan")
+            save_file(state, path)
+        partita.barrier()
+        partita.parallelize(mlp(), loss_fn=mse, stages=1, weights=path)(*batch(8))
     else:
         raise KeyError(CASE)
     partita.shutdown()

@@ -52,6 +52,9 @@ CATALOGUE = [
     Case("checkpoint_truncated", 1, "CheckpointError: "),
     Case("checkpoint_crafted_metadata", 1, "CheckpointError: "),
     Case("checkpoint_of_another_model", 1, "CheckpointError: "),
+    Case("meta_parent_redraws_children", 0, "the __init__ of '(the model)' (RedrawsChildren) (calling normal_) draws "
+                                            "or writes its submodules' tensors again after building them"),
+    Case("weights_not_finite", 0, "1 of the tensors read hold NaN or infinite values: 2.weight"),
 ]
 
 

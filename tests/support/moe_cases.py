@@ -7,8 +7,9 @@ the first micro-batch never reaches it. Each expert computes only the tokens rou
 sizes that depend on the routing. `routed_skip` is the same model, except that eager runs skip an expert no
 token reached (as Mixtral-style loops do): its parameters then get no gradient at all on a rank whose rows
 never reach it. `idle` and `idle_skip` train them on batches without TRIGGER, so that no row of any rank
-reaches the last expert. `hf_mixtral`, `hf_qwen2_moe` and `hf_olmoe` are tiny transformers MoE causal LMs (4
-experts, 2 per token), whose experts are one 3-d parameter each (every expert gets a gradient, zero or not).
+reaches the last expert. `hf_mixtral`, `hf_qwen2_moe`, `hf_olmoe`, `hf_qwen3_moe` and `hf_deepseek_v3` are tiny
+transformers MoE causal LMs (4 experts, 2 per token), whose experts are one 3-d parameter each (every expert gets
+a gradient, zero or not).
 """
 
 from __future__ import annotations
@@ -119,6 +120,24 @@ def hf_olmoe() -> nn.Module:
     return tr.OlmoeForCausalLM(tr.OlmoeConfig(num_experts=4, **_HF_SIZES))
 
 
+def hf_qwen3_moe() -> nn.Module:
+    """Experts and router allocated with torch.empty: only post_init draws them."""
+    import transformers as tr
+
+    return tr.Qwen3MoeForCausalLM(tr.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=32, head_dim=16,
+                                                    **_HF_SIZES))
+
+
+def hf_deepseek_v3() -> nn.Module:
+    """A dense first layer, then routed and shared experts; low-rank attention."""
+    import transformers as tr
+
+    return tr.DeepseekV3ForCausalLM(tr.DeepseekV3Config(
+        n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+        topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        **{**_HF_SIZES, "num_key_value_heads": 2}))  # torch.export fails on its attention with fewer
+
+
 def hf_batch(n: int, g: torch.Generator) -> tuple[tuple, dict, torch.Tensor]:
     return (torch.randint(0, 100, (n, 12), generator=g),), {}, torch.randint(0, 100, (n, 12), generator=g)
 
@@ -135,6 +154,8 @@ MOE_CASES = {
     "hf_mixtral": Case(hf_mixtral, hf_batch, _lm, _lm),
     "hf_qwen2_moe": Case(hf_qwen2_moe, hf_batch, _lm, _lm),
     "hf_olmoe": Case(hf_olmoe, hf_batch, _lm, _lm),
+    "hf_qwen3_moe": Case(hf_qwen3_moe, hf_batch, _lm, _lm),
+    "hf_deepseek_v3": Case(hf_deepseek_v3, hf_batch, _lm, _lm),
 }
 CASES.update(MOE_CASES)  # cases.fidelity finds its models by name in the zoo's table
 
@@ -142,6 +163,11 @@ CASES.update(MOE_CASES)  # cases.fidelity finds its models by name in the zoo's 
 def fidelity(name: str, **options) -> dict:
     """cases.fidelity on one of MOE_CASES."""
     return cases.fidelity(name, **options)
+
+
+def hf_on_meta(name: str, **plan_args) -> dict:
+    """cases.hf_on_meta on one of MOE_CASES."""
+    return cases.hf_on_meta(name, **plan_args)
 
 
 def tokens_per_expert(name: str, rows: slice, global_rows: int) -> list[list[int]]:

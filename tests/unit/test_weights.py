@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import warnings
 
 import pytest
 import torch
@@ -353,3 +354,15 @@ def test_an_unfinished_partita_checkpoint_is_refused(tmp_path):
     (tmp_path / "step-000001.tmp-abcd").mkdir()
     with pytest.raises(CheckpointError, match=r"no complete checkpoint in"):
         open_weights(tmp_path)
+
+
+def test_non_finite_values_are_warned_about_by_name(tmp_path):
+    """A safetensors file carries no checksums: NaN or infinite values read from it are named in a warning."""
+    save_file({"a": torch.tensor([1.0, float("nan")]), "b": torch.ones(2), "c": torch.tensor([float("-inf")])},
+              str(tmp_path / "w.safetensors"))
+    weights = open_weights(tmp_path / "w.safetensors")
+    with pytest.warns(UserWarning, match=r"2 of the tensors read hold NaN or infinite values: a, c"):
+        weights.read({"a": torch.float32, "b": torch.float32, "c": torch.float32})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weights.read({"b": torch.float32})

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -100,8 +101,17 @@ class WeightFile(ABC):
             raise CheckpointError(f"{self.path} holds no tensor named {_some(unknown)}; read only names that "
                                   "match_weights returned")
         copies = HostCopies(device)
-        out = {n: copies.to(t, wanted[n], copy=True) for n, t in self._tensors(names)}
+        out, not_finite = {}, []
+        for n, t in self._tensors(names):
+            # a safetensors file has no checksums: a damaged value is seen only as one no training makes
+            if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+                not_finite.append(n)
+            out[n] = copies.to(t, wanted[n], copy=True)
         copies.finish()
+        if not_finite:
+            warnings.warn(f"{self.path}: {len(not_finite)} of the tensors read hold NaN or infinite values: "
+                          f"{_some(not_finite)}. The model starts from them and its loss will not be finite; check "
+                          "the file (a damaged copy, or saved after training diverged).", stacklevel=2)
         return out
 
 

@@ -4,10 +4,11 @@
   was), keeps the tensors its stages read, on its device, and frees the rest. Rank 0's values go out in
   buckets, so that no rank ever holds a second copy of the model.
 - Built on the meta device (no memory at all): every rank replays rank 0's random stream, as it was when
-  `parallelize` was called, through the initializations building the model ran (a Hugging Face model's as
-  Hugging Face runs them), so that the values are those the model built on the CPU in one process would have
-  had. A tensor exists only while an initialization that touches it runs (its own module's or a parent's);
-  what the rank does not keep is dropped at once. The random stream is then put back where it was.
+  `parallelize` was called, through the ops building the model made (`construction`: the model built again on
+  the meta device, recorded), or where it cannot be built again through the initializations partita can see
+  (reset_parameters(), init_fn, a Hugging Face model's as Hugging Face runs them), so that the values are those
+  the model built on the CPU in one process would have had. A tensor the rank does not keep exists only while
+  the ops that make and read it run; then it is dropped. The random stream is then put back where it was.
 - With `weights=`: each rank reads only the tensors it keeps from the file; the tensors a file does not hold
   (buffers that are not in a state dict) come from the model as above.
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import sys
+import types
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from partita.errors import ModelError
 from partita.runtime import agreement
+from partita.runtime.construction import Construction, Op, Unrebuildable, recorded_construction
 from partita.runtime.host_copies import HostCopies
 from partita.runtime.optim import repoint_optimizer
 from partita.runtime.ownership import named_state
@@ -266,8 +270,13 @@ def _broadcast_kept(places: list[_Place], keep: set[str], device: torch.device) 
 
 def _initialize(module: nn.Module, meta: list[_Place], keep: set[str], initial: Initial) -> None:
     """Give the meta tensors the values building the model on the CPU would have, on rank 0's random stream as
-    it was when parallelize was called, by running the initializations that building it ran, in that order
-    (`_steps`).
+    it was when parallelize was called.
+
+    When the model can be built again (`construction.recorded_construction`), the ops building it made are run
+    again for real on the CPU, in their order (`_replay`): every draw, every module's and every parent's, a
+    Hugging Face model's post_init included; then a user's `init_fn` as model.apply(init_fn) runs it. Otherwise
+    partita runs the initializations it can see (`_steps`), and warns about the modules whose `__init__` it
+    cannot see.
 
     Every rank runs every initialization, kept or not, so that its stream stays where rank 0's is, and checks
     every tensor, so that all raise the same error. A tensor the rank does not keep lives only while an
@@ -279,13 +288,27 @@ def _initialize(module: nn.Module, meta: list[_Place], keep: set[str], initial: 
     placed = {id(p.tensor): p for p in meta}
     own = {m: [(attr, t) for attr, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
                if id(t) in placed] for m in module.modules()}
-    _check_initializable(module, [m for m in own if own[m]], initial.init_fn)
+    built = recorded_construction(module)
     was_set: set[int] = set()  # the tensors dropped with a value some initialization had set
     others = _OthersMadeReal(meta)
     saved = torch.get_rng_state()
-    torch.set_rng_state(_rank0_random_state(initial.random_state))
+    rank0 = _rank0_random_state(initial.random_state)
+    torch.set_rng_state(rank0)
     try:
-        for step in _steps(module, own, initial.init_fn):
+        if isinstance(built, Construction):
+            try:
+                was_set = _replay(built, meta, keep)
+            except _CannotReplay as e:
+                built = Unrebuildable(str(e))
+                torch.set_rng_state(rank0)
+        if isinstance(built, Construction):
+            steps = [] if initial.init_fn is None or _hugging_face_model_class(initial.init_fn) is not None else [
+                _Step(m, initial.init_fn, frozenset(id(t) for _, t in own[m])) for m in _applied(module)]
+        else:
+            _check_initializable(module, [m for m in own if own[m]], initial.init_fn)
+            _warn_unseen(module, own, built)
+            steps = _steps(module, own, initial.init_fn)
+        for step in steps:
             for p in _run_init(step, own[step.module], placed, others):
                 if not keep.intersection(p.names):
                     if not _is_unset(p.value):
@@ -300,6 +323,161 @@ def _initialize(module: nn.Module, meta: list[_Place], keep: set[str], initial: 
                          "of their modules sets them, and no init_fn given does). Pass init_fn= to parallelize (a "
                          "function that sets them, e.g. a Hugging Face model's _init_weights), or load them with "
                          "weights=.")
+
+
+def _warn_unseen(module: nn.Module, own: dict[nn.Module, list[tuple[str, torch.Tensor]]],
+                 why: Unrebuildable) -> None:
+    """What partita cannot see when it cannot build the model again: what the modules without
+    reset_parameters() drew in __init__ (taken to be what init_fn draws), and the parents whose __init__ draws or
+    writes their children's tensors again (found by the names their code calls)."""
+    unseen = [_shown_name(module, n) for n, m in module.named_modules()
+              if own.get(m) and not callable(getattr(m, "reset_parameters", None))]
+    rewriting = {_shown_name(module, n): calls for n, m in module.named_modules() if (calls := _rewriting_calls(m))}
+    if not unseen and not rewriting:
+        return
+    ifs = []
+    if rewriting:
+        ifs.append("the __init__ of " + ", ".join(f"{n} (calling {', '.join(sorted(c))})"
+                                                  for n, c in list(rewriting.items())[:_SHOWN])
+                   + " draws or writes its submodules' tensors again after building them")
+    if unseen:
+        ifs.append(f"{', '.join(unseen[:_SHOWN])}{' ...' if len(unseen) > _SHOWN else ''} (without "
+                   "reset_parameters(), taken to draw in __init__ as init_fn does) drew otherwise (torch.empty draws "
+                   "nothing)")
+    warnings.warn(
+        f"partita cannot build {type(module).__name__} again on the meta device to see what building it did "
+        f"({why.reason}). It initializes each module by its reset_parameters() and init_fn, so the model starts from "
+        f"other values than the model built on the CPU if {', or if '.join(ifs)}. Keep the model's constructor "
+        "arguments as attributes of the same names, load its values with weights=, or build it on the CPU.",
+        stacklevel=3)
+
+
+def _shown_name(module: nn.Module, name: str) -> str:
+    return f"'{name or '(the model)'}' ({type(module.get_submodule(name)).__name__})"
+
+
+# what an __init__ calls to draw or write tensors after building them (nanoGPT's self.apply(self._init_weights))
+_REWRITING_CALLS = frozenset({"apply", "normal_", "uniform_", "zero_", "zeros_", "fill_", "ones_", "constant_",
+                              "copy_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                              "kaiming_normal_", "orthogonal_", "_init_weights", "init_weights"})
+
+
+def _rewriting_calls(m: nn.Module) -> set[str]:
+    """Of _REWRITING_CALLS, those the __init__ of `m`'s classes (not torch's own) names, when `m` has children."""
+    if next(m.children(), None) is None:
+        return set()
+    inits = [vars(c)["__init__"] for c in type(m).__mro__
+             if "__init__" in vars(c) and not c.__module__.startswith("torch.")]
+    return set().union(*(_names_in(f.__code__) for f in inits if hasattr(f, "__code__"))) & _REWRITING_CALLS
+
+
+def _names_in(code: types.CodeType) -> set[str]:
+    """The global and attribute names a function's code uses, its nested functions' (comprehensions) included."""
+    return set(code.co_names).union(*(_names_in(c) for c in code.co_consts if isinstance(c, types.CodeType)))
+
+
+# in-place ops whose result does not depend on what the tensor they write held
+_OVERWRITES = frozenset({"normal_", "uniform_", "fill_", "zero_", "copy_", "random_", "exponential_", "bernoulli_",
+                         "cauchy_", "log_normal_", "geometric_"})
+_ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
+
+
+class _CannotReplay(Exception):
+    pass
+
+
+def _storage(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _op_name(op: Op) -> str:
+    return op.func._schema.name.split("::")[-1]
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """Whether `t` covers its storage."""
+    return t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+
+
+def _reads(ops: tuple[Op, ...]) -> list[set[StorageWeakRef]]:
+    """Per op, the meta storages whose values it reads: every one among its arguments, except the tensor an
+    in-place overwrite writes whole."""
+    def storages(tree) -> set[StorageWeakRef]:
+        return {_storage(t) for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_meta}
+
+    return [storages((op.args[1:], op.kwargs)) if _op_name(op) in _OVERWRITES and op.args and _whole(op.args[0])
+            else storages((op.args, op.kwargs)) for op in ops]
+
+
+def _replay(built: Construction, meta: list[_Place], keep: set[str]) -> set[int]:
+    """Run the ops building the model made, on the CPU, in their order, from the random stream as it is: the
+    meta places get the values they end with; those this rank does not keep live only from an op that makes or
+    reads them to the last op that reads them before another overwrites them. The ids of the tensors dropped
+    with a value some op had set."""
+    final = {id(p): built.tensors[p.names[0]] for p in meta}
+    kept_storages = {_storage(final[id(p)]) for p in meta if keep.intersection(p.names)}
+    places_in = {}
+    for p in meta:
+        places_in.setdefault(_storage(final[id(p)]), []).append(p)
+    ops = built.ops
+    reads = _reads(ops)
+    touched = [{_storage(t) for t in pytree.tree_leaves((op.args, op.kwargs, op.out))
+                if isinstance(t, torch.Tensor) and t.is_meta} for op in ops]
+    # after each op, the storages touched there whose values no later op reads before overwriting them whole
+    needed: set[StorageWeakRef] = set(kept_storages)
+    done_after: list[set[StorageWeakRef]] = [set()] * len(ops)
+    for i in reversed(range(len(ops))):
+        done_after[i] = touched[i] - needed
+        needed = (needed - touched[i]) | reads[i] | kept_storages
+    bases: dict[StorageWeakRef, torch.Tensor] = {}
+    was_set: set[int] = set()
+
+    def real(t):
+        if isinstance(t, torch.device):
+            return _cpu_for_meta(t)
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return t
+        base = bases.get(_storage(t))
+        if base is None:  # made before: a value an overwrite replaces whole
+            base = bases[_storage(t)] = _unset(torch.empty(t.untyped_storage().nbytes() // t.element_size(),
+                                                            dtype=t.dtype, device="meta"))
+        if base.dtype != t.dtype:
+            base = base.view(t.dtype)
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def drop(s: StorageWeakRef) -> None:
+        for p in places_in.get(s, []):
+            if not _is_unset(real(final[id(p)])):
+                was_set.add(id(p.tensor))
+        del bases[s]
+
+    with torch.no_grad():
+        for i, op in enumerate(ops):
+            if reads[i] - bases.keys():
+                raise _CannotReplay(f"{op.func} reads a meta tensor the constructor did not make")
+            args, kwargs = pytree.tree_map(real, (op.args, op.kwargs))
+            try:
+                out = op.func(*args, **kwargs)
+            except Exception as e:  # an op of the constructor's that runs on meta tensors only
+                raise _CannotReplay(f"{op.func} fails on the CPU ({type(e).__name__}: {e})") from e
+            if _op_name(op) in _ALLOCATIONS:
+                out.copy_(_unset(out))
+            for probe, value in zip(pytree.tree_leaves(op.out), pytree.tree_leaves(out)):
+                if isinstance(probe, torch.Tensor) and probe.is_meta and _storage(probe) not in bases:
+                    if (value.stride(), value.storage_offset()) != (probe.stride(), probe.storage_offset()):
+                        raise _CannotReplay(f"{op.func} lays its result out otherwise on the CPU")
+                    bases[_storage(probe)] = torch.empty(0, dtype=value.dtype).set_(value.untyped_storage())
+            for s in done_after[i]:
+                if s in bases:
+                    drop(s)
+    for p in meta:
+        constant = not final[id(p)].is_meta  # computed on the CPU from constants
+        if constant:
+            was_set.add(id(p.tensor))
+        if keep.intersection(p.names):
+            value = real(final[id(p)])
+            p.value = value if _whole(value) and not constant else value.clone()
+    return was_set
 
 
 @dataclass(frozen=True)
@@ -428,6 +606,8 @@ class _OthersMadeReal(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         args, kwargs = pytree.tree_map_only(torch.Tensor, self._real, (args, kwargs or {}))
+        # a tensor made on a meta tensor's .device (Mamba's init_mamba_weights) is made where the init runs
+        args, kwargs = pytree.tree_map_only(torch.device, _cpu_for_meta, (args, kwargs))
         return func(*args, **kwargs)
 
     def _real(self, t: torch.Tensor) -> torch.Tensor:
@@ -445,6 +625,10 @@ class _OthersMadeReal(TorchDispatchMode):
                              "out unlike the tensor: partita cannot find that part.")
         return value.as_strided(t.shape, t.stride(), value.storage_offset() + t.storage_offset()
                                 - base.storage_offset())
+
+
+def _cpu_for_meta(device: torch.device) -> torch.device:
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 def _unset(t: torch.Tensor) -> torch.Tensor:
