@@ -25,8 +25,9 @@ from torch import nn
 
 from partita import settings
 from partita.capture.export import CapturedGraph
+from partita.capture.listing import different_graphs, node_lines
 from partita.cluster import Cluster
-from partita.errors import InternalError, PartitaError, PlanError, RankError
+from partita.errors import CaptureError, InternalError, PartitaError, PlanError, RankError
 from partita.graph import ModelGraph, Profile
 from partita.graph.profile import roofline_profile
 from partita.launch import env
@@ -82,6 +83,7 @@ def agreed_plan(cap: CapturedGraph, graph: ModelGraph, rows: tuple[int, ...], re
     """Collective. `rows`: every rank's local rows in this (first) call. `parallelize` is partita's own, to
     measure what its runtime costs."""
     world = env.world()
+    agree_on_graph(cap, graph)
     profile = cluster = None
     if request.given is None:
         profile, cluster = _measure(cap, graph, max(rows), parallelize, request)
@@ -97,9 +99,17 @@ def agreed_plan(cap: CapturedGraph, graph: ModelGraph, rows: tuple[int, ...], re
         dist.broadcast_object_list(result, src=0)
     if isinstance(result[0], RankError):
         raise result[0].error(named=False)
-    plan = Plan.from_json(result[0])
-    agreement.agree(f"model graph {graph.fingerprint}", "the model they captured (different models or inputs)")
-    return Planned(plan, profile, cluster)
+    return Planned(Plan.from_json(result[0]), profile, cluster)
+
+
+def agree_on_graph(cap: CapturedGraph, graph: ModelGraph) -> None:
+    """Collective: every rank captured the same graph (`graph.digest`), or every rank raises the same
+    CaptureError naming where the ranks' graphs first differ, each rank's hash seed and the fix. One all-reduce
+    where they agree; the listings are exchanged only where they differ."""
+    every = agreement.compare(f"model graph {graph.digest}",
+                              lambda: (os.environ.get("PYTHONHASHSEED"), node_lines(cap.gm)))
+    if every is not None:
+        raise CaptureError(different_graphs(every))
 
 
 def _device_memory(device: torch.device, local_world_size: int) -> int:
