@@ -78,6 +78,12 @@ class PipelineParallel(Runtime):
         """The compute actions the last call ran on this rank, in order."""
         return self._last.executed()
 
+    def stage_boundaries(self) -> str:
+        """The ownership's, and the values each stage of the first call's engine receives and sends."""
+        graphs = next(iter(self.engines.values())).graphs
+        return super().stage_boundaries() + repr([(g.index, g.inputs, g.outputs, sorted(g.parameters.values()))
+                                                  for g in graphs])
+
     def _params_of_stages(self, stages: tuple[int, ...]) -> dict[int, set[int]]:
         """For each of `stages`, the ids of the parameters it reads (under any of their names, when tied)."""
         return {s: {id(self.parameters[f]) for f in self.ownership.stage_params.get(s, ())} for s in stages}
