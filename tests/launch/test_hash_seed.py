@@ -4,7 +4,6 @@ the same hash seed, and the job trains one process's losses; ranks started with 
 starts them, are refused on every rank with what differs and the fix."""
 
 import json
-import os
 import subprocess
 
 import pytest
@@ -28,22 +27,24 @@ def seeds(run_dir) -> list[dict]:
     return [json.loads((run_dir / f"seed-{r}.json").read_text()) for r in range(2)]
 
 
-def test_partita_run_gives_every_rank_one_hash_seed_and_one_process_losses(tmp_path):
+@pytest.mark.parametrize("model", ["kinds", "gemma3"])
+def test_partita_run_gives_every_rank_one_hash_seed_and_one_process_losses(tmp_path, model):
     proc = subprocess.run([str(BIN / "partita"), "run", "-n", "2", "--log-dir", str(tmp_path / "logs"), SCRIPT,
-                           str(tmp_path)], capture_output=True, text=True, env=unseeded_env(), timeout=240)
+                           str(tmp_path), model], capture_output=True, text=True, env=unseeded_env(), timeout=300)
     assert proc.returncode == 0, output(proc)
     assert [s["PYTHONHASHSEED"] for s in seeds(tmp_path)] == ["0", "0"]
     losses = json.loads((tmp_path / "losses.json").read_text())
-    assert losses == pytest.approx(one_process_losses(), rel=1e-5)
+    assert losses == pytest.approx(one_process_losses(model), rel=1e-5)
 
 
-def test_ranks_with_different_hash_seeds_are_refused_on_every_rank(tmp_path):
+@pytest.mark.parametrize("model", ["kinds", "gemma3"])
+def test_ranks_with_different_hash_seeds_are_refused_on_every_rank(tmp_path, model):
     port = free_port()
-    procs = [subprocess.Popen([PYTHON, SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    procs = [subprocess.Popen([PYTHON, SCRIPT, str(tmp_path), model], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=unseeded_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                                                           MASTER_PORT=str(port), PYTHONHASHSEED=SEEDS[rank]))
              for rank in range(2)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
     orders = [s["order"] for s in seeds(tmp_path)]
     assert orders[0] != orders[1], "these seeds order the set alike here: pick two that do not"
     assert [p.returncode for p in procs] == [3, 3], outs
