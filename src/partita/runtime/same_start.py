@@ -34,23 +34,26 @@ def _text_digest(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
-def value_digest(t: torch.Tensor) -> torch.Tensor:
-    """A digest of a tensor's bits, on its device (a 0-dim int64): the sum of its 32-bit words (bytes where it has
-    no whole words), each weighted by its position, modulo 2**64, so exact whatever order the sum runs in.
+def value_digest(t: torch.Tensor) -> int:
+    """A digest of a tensor's bits. On the CPU, SHA-1 of its bytes (0.7 GB/s on one core, where a weighted sum in
+    torch ran at 0.06); on an accelerator, on the device, the sum of its 32-bit words (bytes where it has no whole
+    words), each weighted by its position, modulo 2**64, so exact whatever order the sum runs in.
 
-    >>> a = torch.tensor([1.0, 2.0]); int(value_digest(a)) == int(value_digest(a.clone()))
+    >>> a = torch.tensor([1.0, 2.0]); value_digest(a) == value_digest(a.clone())
     True
-    >>> int(value_digest(a)) == int(value_digest(a.flip(0)))
+    >>> value_digest(a) == value_digest(a.flip(0))
     False
     """
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if raw.device.type == "cpu":
+        return int.from_bytes(hashlib.sha1(raw.numpy(), usedforsecurity=False).digest()[:8], "little")
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 and raw.storage_offset() % 4 == 0 else raw
     total = torch.zeros((), dtype=torch.int64, device=t.device)
     for start in range(0, words.numel(), _CHUNK):
         part = words[start:start + _CHUNK].to(torch.int64)
         weight = torch.arange(start, start + part.numel(), dtype=torch.int64, device=t.device) * _ODD + 1
         total += (part * weight).sum()
-    return total
+    return int(total)
 
 
 def _held_whole(t: torch.Tensor) -> bool:
@@ -65,16 +68,10 @@ def _statements(module: nn.Module, plan_text: str, boundaries: str) -> tuple[lis
     names = ["software (Python, torch, partita)", "plan", "stage boundaries"]
     digests = [_text_digest(software), _text_digest(plan_text), _text_digest(boundaries)]
     tensors = [*module.named_parameters(), *module.named_buffers()]
-    held = [(name, t) for name, t in tensors if _held_whole(t)]
-    values = torch.stack([value_digest(t).to(held[0][1].device) for _, t in held]).cpu().tolist() if held else []
-    by_name = {name: (t, v) for (name, t), v in zip(held, values)}
-    for name, _ in tensors:
+    for name, t in tensors:
         names.append(f"the initial values of {name!r}")
-        if name in by_name:
-            t, v = by_name[name]
-            digests.append(_text_digest(f"{tuple(t.shape)} {t.dtype} {v}"))
-        else:
-            digests.append(_NOTHING)
+        held = _held_whole(t)
+        digests.append(_text_digest(f"{tuple(t.shape)} {t.dtype} {value_digest(t)}") if held else _NOTHING)
     return names, digests
 
 
