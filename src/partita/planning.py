@@ -25,9 +25,9 @@ from torch import nn
 
 from partita import settings
 from partita.capture.export import CapturedGraph
-from partita.capture.listing import different_graphs, node_lines
+from partita.capture.model_graph import model_graph
 from partita.cluster import Cluster
-from partita.errors import CaptureError, InternalError, PartitaError, PlanError, RankError
+from partita.errors import InternalError, PartitaError, PlanError, RankError
 from partita.graph import ModelGraph, Profile
 from partita.graph.profile import roofline_profile
 from partita.launch import env
@@ -38,6 +38,7 @@ from partita.profile import OptimizerKind, Parallelize, device_spec, measure
 from partita.runtime import agreement
 from partita.runtime.optim import optimizer_state_factor
 from partita.runtime.precision import DTYPES
+from partita.runtime.same_graph import agreed_capture
 from partita.runtime.state import local_part
 from partita.runtime.step_clock import MEASURED_STEPS
 
@@ -83,7 +84,6 @@ def agreed_plan(cap: CapturedGraph, graph: ModelGraph, rows: tuple[int, ...], re
     """Collective. `rows`: every rank's local rows in this (first) call. `parallelize` is partita's own, to
     measure what its runtime costs."""
     world = env.world()
-    agree_on_graph(cap, graph)
     profile = cluster = None
     if request.given is None:
         profile, cluster = _measure(cap, graph, max(rows), parallelize, request)
@@ -102,14 +102,11 @@ def agreed_plan(cap: CapturedGraph, graph: ModelGraph, rows: tuple[int, ...], re
     return Planned(Plan.from_json(result[0]), profile, cluster)
 
 
-def agree_on_graph(cap: CapturedGraph, graph: ModelGraph) -> None:
-    """Collective: every rank captured the same graph (`graph.digest`), or every rank raises the same
-    CaptureError naming where the ranks' graphs first differ, each rank's hash seed and the fix. One all-reduce
-    where they agree; the listings are exchanged only where they differ."""
-    every = agreement.compare(f"model graph {graph.digest}",
-                              lambda: (os.environ.get("PYTHONHASHSEED"), node_lines(cap.gm)))
-    if every is not None:
-        raise CaptureError(different_graphs(every))
+def agreed_graph(cap: CapturedGraph, graph: ModelGraph) -> tuple[CapturedGraph, ModelGraph]:
+    """Collective: the capture and graph every rank runs, rank 0's (`runtime.same_graph`), or the same
+    CaptureError on every rank."""
+    agreed = agreed_capture(cap, graph.digest)
+    return (cap, graph) if agreed is cap else (agreed, model_graph(agreed))
 
 
 def _device_memory(device: torch.device, local_world_size: int) -> int:

@@ -1,14 +1,15 @@
 """A model whose capture follows the process's hash seed, trained on 2 pipeline stages: the job must train one
 process's losses or refuse on every rank.
 
-    <launcher> hash_seed_script.py RUN_DIR [kinds | gemma3]
+    <launcher> hash_seed_script.py RUN_DIR [kinds | gemma3 | by_rank]
 
 As Hugging Face's Gemma 3 builds its rotary tables in `for layer_type in set(self.config.layer_types)`, `Kinds`
 builds one table per kind of layer in the order of a set of strings, which follows PYTHONHASHSEED (seeds 0 and 1
 order {"local", "global"} differently), and its layers read the tables of their kind. Each rank writes what its
 interpreter hashes with and the set's order to RUN_DIR/seed-<rank>.json; rank 0 writes the losses to
 RUN_DIR/losses.json; a rank that raises a PartitaError writes its text to RUN_DIR/error-<rank>.txt and exits 3.
-`gemma3` trains a tiny Hugging Face Gemma 3 instead, the model that showed it.
+`gemma3` trains a tiny Hugging Face Gemma 3 instead, the model that showed it; `by_rank` a model that computes
+another operation on rank 1.
 """
 
 import json
@@ -42,6 +43,14 @@ class Kinds(nn.Module):
         return x
 
 
+class ByRank(Kinds):
+    """Computes another operation on rank 1: a graph no reordering makes rank 0's."""
+
+    def forward(self, x):
+        x = super().forward(x)
+        return torch.sin(x) if os.environ.get("RANK") == "1" else torch.cos(x)
+
+
 VOCAB, SEQUENCE = 64, 8
 
 
@@ -59,7 +68,8 @@ def lm_loss(out, y):
     return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
 
 
-MODELS = {"kinds": (Kinds, nn.functional.mse_loss), "gemma3": (gemma3, lm_loss)}
+MODELS = {"kinds": (Kinds, nn.functional.mse_loss), "gemma3": (gemma3, lm_loss),
+          "by_rank": (ByRank, nn.functional.mse_loss)}
 
 
 def batch(step: int, name: str = "kinds") -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,22 +37,44 @@ def test_partita_run_gives_every_rank_one_hash_seed_and_one_process_losses(tmp_p
     assert losses == pytest.approx(one_process_losses(model), rel=1e-5)
 
 
-@pytest.mark.parametrize("model", ["kinds", "gemma3"])
-def test_ranks_with_different_hash_seeds_are_refused_on_every_rank(tmp_path, model):
+def launched_by_hand(run_dir, model: str, hash_seeds=SEEDS) -> list[subprocess.CompletedProcess]:
+    """The job's 2 ranks started as torchrun starts them, each with its own PYTHONHASHSEED."""
     port = free_port()
-    procs = [subprocess.Popen([PYTHON, SCRIPT, str(tmp_path), model], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    procs = [subprocess.Popen([PYTHON, SCRIPT, str(run_dir), model], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=unseeded_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                                          MASTER_PORT=str(port), PYTHONHASHSEED=SEEDS[rank]))
+                                                          MASTER_PORT=str(port), PYTHONHASHSEED=hash_seeds[rank]))
              for rank in range(2)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    done = [subprocess.CompletedProcess(p.args, 0, p.communicate(timeout=300)[0]) for p in procs]
+    for proc, d in zip(procs, done):
+        d.returncode = proc.returncode
+    return done
+
+
+@pytest.mark.parametrize("model", ["kinds", "gemma3"])
+def test_ranks_with_different_hash_seeds_run_rank_0_s_graph_and_train_one_process_losses(tmp_path, model):
+    ranks = launched_by_hand(tmp_path, model)
     orders = [s["order"] for s in seeds(tmp_path)]
     assert orders[0] != orders[1], "these seeds order the set alike here: pick two that do not"
-    assert [p.returncode for p in procs] == [3, 3], outs
+    assert [r.returncode for r in ranks] == [0, 0], [r.stdout for r in ranks]
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert losses == pytest.approx(one_process_losses(model), rel=1e-5)
+    assert ("rank 1 captured the model's operations in another order than rank 0 (rank 0 runs with "
+            "PYTHONHASHSEED=0; rank 1 runs with PYTHONHASHSEED=1) and run them in rank 0's order") in ranks[0].stdout
+
+
+@pytest.mark.parametrize("hash_seeds", [SEEDS, ("0", "0")])
+def test_ranks_that_capture_different_operations_are_refused_on_every_rank(tmp_path, hash_seeds):
+    ranks = launched_by_hand(tmp_path, "by_rank", hash_seeds)
+    assert [r.returncode for r in ranks] == [3, 3], [r.stdout for r in ranks]
     errors = [(tmp_path / f"error-{r}.txt").read_text() for r in range(2)]
     assert errors[0] == errors[1]
     error = errors[0]
-    assert "the ranks captured different graphs" in error
+    assert "the ranks captured different graphs of the model" in error
     assert "rank 1 captured a graph that first differs from rank 0's at operation" in error
-    assert "rank 0 runs with PYTHONHASHSEED=0; rank 1 runs with PYTHONHASHSEED=1" in error
+    if hash_seeds[0] == hash_seeds[1]:  # else the first difference is the set's order, and so named
+        assert "rank 0 has `cos_2 = call_function aten.cos.default" in error
+        assert "rank 1 `sin = call_function aten.sin.default" in error
+    assert f"rank 0 runs with PYTHONHASHSEED={hash_seeds[0]}; rank 1 runs with PYTHONHASHSEED={hash_seeds[1]}" in error
+    assert ("so the ranks iterate in different orders" if hash_seeds == SEEDS else "so the cause is elsewhere") in error
     assert "start every rank with the same PYTHONHASHSEED" in error
     assert not (tmp_path / "losses.json").exists()

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from partita.capture.export import capture
-from partita.capture.listing import different_graphs, node_lines
+from partita.capture.listing import different_graphs, node_keys, node_lines, reordered
 from partita.capture.model_graph import model_graph
 
 
@@ -62,3 +62,24 @@ def test_the_difference_names_the_first_operation_and_each_rank_s_hash_seed():
     same_seed = different_graphs([("0", one), ("0", other)])
     assert "so the cause is elsewhere" in same_seed
     assert "no PYTHONHASHSEED (a random hash seed of its own)" in different_graphs([(None, one), (None, other)])
+
+
+def test_a_capture_in_another_order_rebuilt_in_rank_0_s_order_is_rank_0_s_graph_and_computes_the_same():
+    x = torch.randn(3, 4)
+    first = capture(Kinds(("local", "global")), (x,), {}, source_lines=False)
+    model = Kinds(("global", "local"))
+    other = capture(model, (x,), {}, source_lines=False)
+    rebuilt = reordered(other, node_keys(first.gm), [n.name for n in first.gm.graph.nodes])
+    assert node_lines(rebuilt.gm) == node_lines(first.gm) != node_lines(other.gm)
+    assert model_graph(rebuilt).digest == model_graph(first).digest
+    held = {name: model.get_parameter(fqn) for name, fqn in rebuilt.fqn_of.items()}
+    inputs = [x if n.name in rebuilt.user_inputs else held[n.name] for n in rebuilt.gm.graph.nodes
+              if n.op == "placeholder"]
+    assert torch.equal(rebuilt.gm(*inputs)[0], model(x))
+
+
+def test_a_capture_of_other_operations_is_not_rebuilt():
+    x = torch.randn(3, 4)
+    first = capture(Kinds(), (x,), {}, source_lines=False)
+    other = capture(Kinds(op=torch.sin), (x,), {}, source_lines=False)
+    assert reordered(other, node_keys(first.gm), [n.name for n in first.gm.graph.nodes]) is None

@@ -17,11 +17,13 @@ A device is named by its type: each rank computes on its own GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import torch
 from torch import fx
 
+from partita.capture.export import CapturedGraph
 from partita.capture.shapes import concrete
 
 
@@ -34,18 +36,25 @@ def shape_text(val) -> str:
     return f"{val.dtype}{[concrete(d, 1, True) for d in val.shape]}{[concrete(d, 2, True) for d in val.shape]}"
 
 
-def _argument(a) -> str:
+def _argument(a, name) -> str:
+    """An argument as text; a node as `name(node)` says."""
     if isinstance(a, fx.Node):
-        return a.name
+        return name(a)
     if isinstance(a, tuple):
-        return f"({', '.join(map(_argument, a))})"
+        return f"({', '.join(_argument(x, name) for x in a)})"
     if isinstance(a, list):
-        return f"[{', '.join(map(_argument, a))}]"
+        return f"[{', '.join(_argument(x, name) for x in a)}]"
     if isinstance(a, dict):
-        return f"{{{', '.join(f'{k!r}: {_argument(v)}' for k, v in a.items())}}}"
+        return f"{{{', '.join(f'{k!r}: {_argument(v, name)}' for k, v in a.items())}}}"
     if isinstance(a, torch.device):
         return repr(torch.device(a.type))
     return repr(a)
+
+
+def _call_text(node: fx.Node, name) -> str:
+    positional = ", ".join(_argument(a, name) for a in node.args)
+    named = "".join(f", {k}={_argument(v, name)}" for k, v in node.kwargs.items())
+    return f"{node.op} {node.target}({positional}{named})"
 
 
 def module_of(node: fx.Node) -> str:
@@ -61,17 +70,53 @@ def node_lines(gm: fx.GraphModule, prefix: str = "") -> list[str]:
     """One line per node of `gm`, in order; a subgraph's lines follow the node that names it, indented."""
     out = []
     for node in gm.graph.nodes:
-        positional = ", ".join(map(_argument, node.args))
-        named = "".join(f", {k}={_argument(v)}" for k, v in node.kwargs.items())
         val = node.meta.get("val")
         result = shape_text(val) if val is not None else "?"
         module = module_of(node)
-        out.append(f"{prefix}{node.name} = {node.op} {node.target}({positional}{named}) -> {result}"
+        out.append(f"{prefix}{node.name} = {_call_text(node, lambda a: a.name)} -> {result}"
                    + (f" in {module}" if module else ""))
         sub = getattr(gm, node.target, None) if node.op == "get_attr" else None
         if isinstance(sub, fx.GraphModule):
             out += node_lines(sub, prefix + "  ")
     return out
+
+
+def node_keys(gm: fx.GraphModule) -> list[str]:
+    """Per node, in order, a key of what it computes whatever the graph's order and names: its operation and
+    module, with each node argument replaced by that node's key (placeholders and attributes by name, which
+    the model's structure fixes). Two captures of the same computation in another order have the same keys."""
+    key_of: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        text = f"{node.op} {node.target}" if node.op in ("placeholder", "get_attr") else \
+            f"{_call_text(node, lambda a: key_of[a.name])} in {module_of(node)}"
+        key_of[node.name] = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]
+    return list(key_of.values())
+
+
+def in_order_of(gm: fx.GraphModule, keys: list[str], names: list[str]) -> tuple[fx.GraphModule, dict[str, str]] | None:
+    """`gm`'s graph rebuilt in another capture's order and names (that capture's `node_keys` and node names), with
+    the map of this graph's node names to the new ones; None where the two do not compute the same nodes."""
+    mine = list(gm.graph.nodes)
+    if sorted(node_keys(gm)) != sorted(keys):
+        return None
+    waiting: dict[str, list[fx.Node]] = {}
+    for node, key in zip(mine, node_keys(gm)):
+        waiting.setdefault(key, []).append(node)
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for key, name in zip(keys, names):
+        # of equal nodes (the same operation on equal inputs), the first whose inputs the new graph holds
+        node = next((n for n in waiting[key] if all(a.name in env for a in n.all_input_nodes)), None)
+        if node is None:
+            return None
+        waiting[key].remove(node)
+        new = graph.create_node(node.op, node.target, fx.map_arg(node.args, lambda a: env[a.name]),
+                                fx.map_arg(node.kwargs, lambda a: env[a.name]), name=name, type_expr=node.type)
+        new.meta = dict(node.meta)
+        env[node.name] = new
+    if [n.name for n in graph.nodes] != names:
+        return None
+    return fx.GraphModule(gm, graph), {old: new.name for old, new in env.items()}
 
 
 def digest(lines: list[str]) -> str:
@@ -96,6 +141,11 @@ def hash_seed_text(seed: str | None) -> str:
     return f"PYTHONHASHSEED={seed}"
 
 
+def hash_seeds_text(seeds: list[str | None]) -> str:
+    """Each rank's hash seed (its PYTHONHASHSEED, or None), in words."""
+    return "; ".join(f"rank {r} runs with {hash_seed_text(seed)}" for r, seed in enumerate(seeds))
+
+
 def different_graphs(every: list[tuple[str | None, list[str]]]) -> str:
     """What differs between the ranks' captures, given each rank's (PYTHONHASHSEED, listing), and what to do;
     the same text on every rank."""
@@ -112,7 +162,7 @@ def different_graphs(every: list[tuple[str | None, list[str]]]) -> str:
         who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         found.append(f"{who} captured a graph that first differs from rank 0's at operation {index}: rank 0 has "
                      f"`{theirs or '(nothing: its graph ends)'}`, {who} `{mine or '(nothing: its graph ends)'}`")
-    started = "; ".join(f"rank {r} runs with {hash_seed_text(seed)}" for r, (seed, _) in enumerate(every))
+    started = hash_seeds_text([seed for seed, _ in every])
     cause = ("Likely cause: Python code of the model whose order depends on the process, such as a loop over a "
              "set of strings (`for kind in set(config.layer_types)` in Hugging Face's Gemma 3), whose order follows "
              "each process's hash seed: ")
@@ -125,3 +175,22 @@ def different_graphs(every: list[tuple[str | None, list[str]]]) -> str:
             "unless it is set; with torchrun, srun or mpirun export PYTHONHASHSEED=0 before launching), or make the "
             "model's forward independent of the process (`sorted(set(...))`), and build the same model on every "
             "rank.")
+
+
+def reordered(cap: CapturedGraph, keys: list[str], names: list[str]) -> CapturedGraph | None:
+    """`cap` in another capture's order and names (see `in_order_of`), every name it records renamed; None where
+    the two do not compute the same nodes."""
+    rebuilt = in_order_of(cap.gm, keys, names)
+    if rebuilt is None:
+        return None
+    gm, renamed = rebuilt
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return dataclasses.replace(
+        cap, gm=gm,
+        user_inputs=[renamed[n] for n in cap.user_inputs],
+        constants={renamed[n]: t for n, t in cap.constants.items()},
+        fqn_of={renamed[n]: fqn for n, fqn in cap.fqn_of.items()},
+        parameters={renamed[n] for n in cap.parameters},
+        outputs=[nodes[renamed[o.name]] if isinstance(o, fx.Node) else o for o in cap.outputs],
+        buffer_updates=[(renamed[v], renamed[b]) for v, b in cap.buffer_updates],
+        requires_grad={renamed[n]: flag for n, flag in cap.requires_grad.items()})
