@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from partita.capture.export import capture
-from partita.capture.listing import different_graphs, node_keys, node_lines, reordered
+from partita.capture.listing import Order, different_graphs, node_lines, reordered
 from partita.capture.model_graph import model_graph
 
 
@@ -69,7 +69,7 @@ def test_a_capture_in_another_order_rebuilt_in_rank_0_s_order_is_rank_0_s_graph_
     first = capture(Kinds(("local", "global")), (x,), {}, source_lines=False)
     model = Kinds(("global", "local"))
     other = capture(model, (x,), {}, source_lines=False)
-    rebuilt = reordered(other, node_keys(first.gm), [n.name for n in first.gm.graph.nodes])
+    rebuilt = reordered(other, Order.of(first.gm))
     assert node_lines(rebuilt.gm) == node_lines(first.gm) != node_lines(other.gm)
     assert model_graph(rebuilt).digest == model_graph(first).digest
     held = {name: model.get_parameter(fqn) for name, fqn in rebuilt.fqn_of.items()}
@@ -82,4 +82,4 @@ def test_a_capture_of_other_operations_is_not_rebuilt():
     x = torch.randn(3, 4)
     first = capture(Kinds(), (x,), {}, source_lines=False)
     other = capture(Kinds(op=torch.sin), (x,), {}, source_lines=False)
-    assert reordered(other, node_keys(first.gm), [n.name for n in first.gm.graph.nodes]) is None
+    assert reordered(other, Order.of(first.gm)) is None

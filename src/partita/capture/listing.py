@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -66,6 +67,12 @@ def module_of(node: fx.Node) -> str:
     return path[len("model."):] if path.startswith("model.") else ("" if path == "model" else path)
 
 
+def _subgraph(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
+    """The subgraph (of a higher-order operation: autocast, no_grad) that a get_attr node names, if it names one."""
+    sub = getattr(gm, node.target, None) if node.op == "get_attr" else None
+    return sub if isinstance(sub, fx.GraphModule) else None
+
+
 def node_lines(gm: fx.GraphModule, prefix: str = "") -> list[str]:
     """One line per node of `gm`, in order; a subgraph's lines follow the node that names it, indented."""
     out = []
@@ -73,10 +80,11 @@ def node_lines(gm: fx.GraphModule, prefix: str = "") -> list[str]:
         val = node.meta.get("val")
         result = shape_text(val) if val is not None else "?"
         module = module_of(node)
-        out.append(f"{prefix}{node.name} = {_call_text(node, lambda a: a.name)} -> {result}"
-                   + (f" in {module}" if module else ""))
-        sub = getattr(gm, node.target, None) if node.op == "get_attr" else None
-        if isinstance(sub, fx.GraphModule):
+        sub = _subgraph(gm, node)
+        # a subgraph's attribute is numbered in the order of capture: it is known by its lines
+        call = "get_attr <subgraph>" if sub is not None else _call_text(node, lambda a: a.name)
+        out.append(f"{prefix}{node.name} = {call} -> {result}" + (f" in {module}" if module else ""))
+        if sub is not None:
             out += node_lines(sub, prefix + "  ")
     return out
 
@@ -87,36 +95,60 @@ def node_keys(gm: fx.GraphModule) -> list[str]:
     the model's structure fixes). Two captures of the same computation in another order have the same keys."""
     key_of: dict[str, str] = {}
     for node in gm.graph.nodes:
-        text = f"{node.op} {node.target}" if node.op in ("placeholder", "get_attr") else \
-            f"{_call_text(node, lambda a: key_of[a.name])} in {module_of(node)}"
+        sub = _subgraph(gm, node)
+        if sub is not None:  # numbered in the order of capture (submod_1, ...): known by what it computes
+            text = f"subgraph {' '.join(node_keys(sub))}"
+        elif node.op in ("placeholder", "get_attr"):
+            text = f"{node.op} {node.target}"
+        else:
+            text = f"{_call_text(node, lambda a: key_of[a.name])} in {module_of(node)}"
         key_of[node.name] = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]
     return list(key_of.values())
 
 
-def in_order_of(gm: fx.GraphModule, keys: list[str], names: list[str]) -> tuple[fx.GraphModule, dict[str, str]] | None:
-    """`gm`'s graph rebuilt in another capture's order and names (that capture's `node_keys` and node names), with
-    the map of this graph's node names to the new ones; None where the two do not compute the same nodes."""
-    mine = list(gm.graph.nodes)
-    if sorted(node_keys(gm)) != sorted(keys):
+@dataclass(frozen=True)
+class Order:
+    """A capture's nodes in order, as another rank needs them to rebuild its own capture so: what each computes
+    (`node_keys`), its name, and the names of the nodes it reads, in the order torch.fx.map_arg visits them."""
+
+    keys: tuple[str, ...]
+    names: tuple[str, ...]
+    inputs: tuple[tuple[str, ...], ...]
+
+    @staticmethod
+    def of(gm: fx.GraphModule) -> Order:
+        def read(node: fx.Node) -> tuple[str, ...]:
+            names: list[str] = []
+            fx.map_arg((node.args, node.kwargs), lambda a: names.append(a.name))
+            return tuple(names)
+
+        nodes = list(gm.graph.nodes)
+        return Order(tuple(node_keys(gm)), tuple(n.name for n in nodes), tuple(read(n) for n in nodes))
+
+
+def in_order_of(gm: fx.GraphModule, order: Order) -> tuple[fx.GraphModule, dict[str, str]] | None:
+    """`gm`'s graph rebuilt in another capture's order and names, with the map of this graph's node names to the
+    new ones; None where the two do not compute the same nodes. Nodes with one key compute the same (the same
+    operation on equal inputs, as `position_ids.float()` once per kind of layer), so each new node reads the
+    nodes the other capture's reads, by their names."""
+    if sorted(node_keys(gm)) != sorted(order.keys):
         return None
     waiting: dict[str, list[fx.Node]] = {}
-    for node, key in zip(mine, node_keys(gm)):
+    for node, key in zip(gm.graph.nodes, node_keys(gm)):
         waiting.setdefault(key, []).append(node)
     graph = fx.Graph()
-    env: dict[str, fx.Node] = {}
-    for key, name in zip(keys, names):
-        # of equal nodes (the same operation on equal inputs), the first whose inputs the new graph holds
-        node = next((n for n in waiting[key] if all(a.name in env for a in n.all_input_nodes)), None)
-        if node is None:
-            return None
-        waiting[key].remove(node)
-        new = graph.create_node(node.op, node.target, fx.map_arg(node.args, lambda a: env[a.name]),
-                                fx.map_arg(node.kwargs, lambda a: env[a.name]), name=name, type_expr=node.type)
+    made: dict[str, fx.Node] = {}
+    renamed: dict[str, str] = {}
+    for key, name, inputs in zip(order.keys, order.names, order.inputs):
+        node = waiting[key].pop(0)
+        read = iter(inputs)
+        args, kwargs = fx.map_arg((node.args, node.kwargs), lambda a: made[next(read)])
+        new = graph.create_node(node.op, node.target, args, kwargs, name=name, type_expr=node.type)
         new.meta = dict(node.meta)
-        env[node.name] = new
-    if [n.name for n in graph.nodes] != names:
+        made[name], renamed[node.name] = new, name
+    if tuple(n.name for n in graph.nodes) != order.names:
         return None
-    return fx.GraphModule(gm, graph), {old: new.name for old, new in env.items()}
+    return fx.GraphModule(gm, graph), renamed
 
 
 def digest(lines: list[str]) -> str:
@@ -177,20 +209,28 @@ def different_graphs(every: list[tuple[str | None, list[str]]]) -> str:
             "rank.")
 
 
-def reordered(cap: CapturedGraph, keys: list[str], names: list[str]) -> CapturedGraph | None:
+def reordered(cap: CapturedGraph, order: Order) -> CapturedGraph | None:
     """`cap` in another capture's order and names (see `in_order_of`), every name it records renamed; None where
     the two do not compute the same nodes."""
-    rebuilt = in_order_of(cap.gm, keys, names)
+    rebuilt = in_order_of(cap.gm, order)
     if rebuilt is None:
         return None
     gm, renamed = rebuilt
-    nodes = {n.name: n for n in gm.graph.nodes}
+    # the model's outputs and buffer updates are what the output node returns, at the same places
+    returned: dict[str, fx.Node] = {}
+    for old, new in zip(_returned(cap.gm), _returned(gm)):
+        if isinstance(old, fx.Node):
+            returned.setdefault(old.name, new)
     return dataclasses.replace(
         cap, gm=gm,
         user_inputs=[renamed[n] for n in cap.user_inputs],
         constants={renamed[n]: t for n, t in cap.constants.items()},
         fqn_of={renamed[n]: fqn for n, fqn in cap.fqn_of.items()},
         parameters={renamed[n] for n in cap.parameters},
-        outputs=[nodes[renamed[o.name]] if isinstance(o, fx.Node) else o for o in cap.outputs],
-        buffer_updates=[(renamed[v], renamed[b]) for v, b in cap.buffer_updates],
+        outputs=[returned[o.name] if isinstance(o, fx.Node) else o for o in cap.outputs],
+        buffer_updates=[(returned[v].name, renamed[b]) for v, b in cap.buffer_updates],
         requires_grad={renamed[n]: flag for n, flag in cap.requires_grad.items()})
+
+
+def _returned(gm: fx.GraphModule) -> list:
+    return list(next(n for n in gm.graph.nodes if n.op == "output").args[0])

@@ -18,8 +18,7 @@ import os
 import torch.distributed as dist
 
 from partita.capture.export import CapturedGraph
-from partita.capture.listing import (digest, different_graphs, hash_seeds_text, node_keys, node_lines,
-                                     reordered)
+from partita.capture.listing import Order, digest, different_graphs, hash_seeds_text, node_lines, reordered
 from partita.errors import CaptureError
 from partita.runtime import agreement
 
@@ -30,19 +29,19 @@ def agreed_capture(cap: CapturedGraph, graph_digest: str) -> CapturedGraph:
     """Collective: `cap` (whose listing's digest is `graph_digest`), or, where it computes rank 0's operations
     in another order, the same in rank 0's order and names; see the module's docstring."""
     every = agreement.compare(f"captured graph {graph_digest}", lambda: (
-        os.environ.get("PYTHONHASHSEED"), node_lines(cap.gm), node_keys(cap.gm), [n.name for n in cap.gm.graph.nodes]))
+        os.environ.get("PYTHONHASHSEED"), node_lines(cap.gm), Order.of(cap.gm)))
     if every is None:
         return cap
-    _, lines, keys, names = every[0]
+    _, lines, order = every[0]
     rank = dist.get_rank()
     if digest(every[rank][1]) != digest(lines):
-        cap = reordered(cap, keys, names) or cap
+        cap = reordered(cap, order) or cap
     if agreement.compare(f"captured graph {digest(node_lines(cap.gm))}", lambda: None) is not None:
-        raise CaptureError(different_graphs([(seed, listing) for seed, listing, _, _ in every]))
+        raise CaptureError(different_graphs([(seed, listing) for seed, listing, _ in every]))
     if rank == 0:
-        others = [r for r, (_, listing, _, _) in enumerate(every) if digest(listing) != digest(lines)]
+        others = [r for r, (_, listing, _) in enumerate(every) if digest(listing) != digest(lines)]
         log.warning("partita: rank%s %s captured the model's operations in another order than rank 0 (%s) and run "
                     "them in rank 0's order, which computes the same. Start every rank with the same PYTHONHASHSEED "
                     "(`partita run` does) for every rank to capture alike.", "s" if len(others) > 1 else "",
-                    ", ".join(map(str, others)), hash_seeds_text([seed for seed, _, _, _ in every]))
+                    ", ".join(map(str, others)), hash_seeds_text([seed for seed, _, _ in every]))
     return cap
