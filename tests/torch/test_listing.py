@@ -83,3 +83,13 @@ def test_a_capture_of_other_operations_is_not_rebuilt():
     first = capture(Kinds(), (x,), {}, source_lines=False)
     other = capture(Kinds(op=torch.sin), (x,), {}, source_lines=False)
     assert reordered(other, Order.of(first.gm)) is None
+
+
+def test_the_examples_in_the_docstrings():
+    import doctest
+
+    from partita.capture import listing
+    from partita.runtime import same_start
+
+    for module in (listing, same_start):
+        assert doctest.testmod(module).failed == 0, module.__name__

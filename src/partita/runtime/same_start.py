@@ -35,9 +35,8 @@ def _text_digest(text: str) -> int:
 
 
 def value_digest(t: torch.Tensor) -> int:
-    """A digest of a tensor's bits. On the CPU, SHA-1 of its bytes (0.7 GB/s on one core, where a weighted sum in
-    torch ran at 0.06); on an accelerator, on the device, the sum of its 32-bit words (bytes where it has no whole
-    words), each weighted by its position, modulo 2**64, so exact whatever order the sum runs in.
+    """A digest of a tensor's bits: on the CPU, SHA-1 of its bytes (0.7 GB/s on one core, where `word_sum` in torch
+    ran at 0.06); on an accelerator, `word_sum` on the device.
 
     >>> a = torch.tensor([1.0, 2.0]); value_digest(a) == value_digest(a.clone())
     True
@@ -47,11 +46,24 @@ def value_digest(t: torch.Tensor) -> int:
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
     if raw.device.type == "cpu":
         return int.from_bytes(hashlib.sha1(raw.numpy(), usedforsecurity=False).digest()[:8], "little")
+    return word_sum(raw)
+
+
+def word_sum(raw: torch.Tensor) -> int:
+    """The sum of a byte tensor's 32-bit words (bytes where it has no whole words), each weighted by its position,
+    modulo 2**64: exact whatever order the sum runs in, so on any device.
+
+    >>> b = torch.tensor([1.0, 2.0, 3.0]).view(torch.uint8)
+    >>> word_sum(b) == word_sum(b.clone()), word_sum(b) == word_sum(b.view(torch.float32).flip(0).view(torch.uint8))
+    (True, False)
+    >>> word_sum(b[:3]) != word_sum(b[1:4])
+    True
+    """
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 and raw.storage_offset() % 4 == 0 else raw
-    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    total = torch.zeros((), dtype=torch.int64, device=raw.device)
     for start in range(0, words.numel(), _CHUNK):
         part = words[start:start + _CHUNK].to(torch.int64)
-        weight = torch.arange(start, start + part.numel(), dtype=torch.int64, device=t.device) * _ODD + 1
+        weight = torch.arange(start, start + part.numel(), dtype=torch.int64, device=raw.device) * _ODD + 1
         total += (part * weight).sum()
     return int(total)
 
