@@ -27,7 +27,8 @@ from partita.launch import env
 from partita.plan import Constraints, Plan
 from partita.plan.choose import simulate_plan
 from partita.plan.plan import check_sharding
-from partita.planning import Planned, PlanRequest, agreed_plan, agreed_switch, review_step, review_switch
+from partita.planning import (Planned, PlanRequest, agreed_graph, agreed_plan, agreed_switch, review_step,
+                              review_switch)
 from partita.runtime import agreement
 from partita.runtime.batch import Call, local_rows, loss_of, sizes_beyond_batch, split_target
 from partita.runtime.build import build_runtime
@@ -165,6 +166,7 @@ class ParallelModule(nn.Module):
             cap = capture(self.module, call.args, call.kwargs)
             self._input_dtypes = input_dtypes(cap)
             graph = model_graph(cap)
+        cap, graph = agreed_graph(cap, graph)
         self._planned = agreed_plan(cap, graph, rows, self._request, parallelize)
         if world.rank == 0:
             env.log_to_stderr()

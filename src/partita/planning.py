@@ -25,6 +25,7 @@ from torch import nn
 
 from partita import settings
 from partita.capture.export import CapturedGraph
+from partita.capture.model_graph import model_graph
 from partita.cluster import Cluster
 from partita.errors import InternalError, PartitaError, PlanError, RankError
 from partita.graph import ModelGraph, Profile
@@ -37,6 +38,7 @@ from partita.profile import OptimizerKind, Parallelize, device_spec, measure
 from partita.runtime import agreement
 from partita.runtime.optim import optimizer_state_factor
 from partita.runtime.precision import DTYPES
+from partita.runtime.same_graph import agreed_capture
 from partita.runtime.state import local_part
 from partita.runtime.step_clock import MEASURED_STEPS
 
@@ -97,9 +99,14 @@ def agreed_plan(cap: CapturedGraph, graph: ModelGraph, rows: tuple[int, ...], re
         dist.broadcast_object_list(result, src=0)
     if isinstance(result[0], RankError):
         raise result[0].error(named=False)
-    plan = Plan.from_json(result[0])
-    agreement.agree(f"model graph {graph.fingerprint}", "the model they captured (different models or inputs)")
-    return Planned(plan, profile, cluster)
+    return Planned(Plan.from_json(result[0]), profile, cluster)
+
+
+def agreed_graph(cap: CapturedGraph, graph: ModelGraph) -> tuple[CapturedGraph, ModelGraph]:
+    """Collective: the capture and graph every rank runs, rank 0's (`runtime.same_graph`), or the same
+    CaptureError on every rank."""
+    agreed = agreed_capture(cap, graph.digest)
+    return (cap, graph) if agreed is cap else (agreed, model_graph(agreed))
 
 
 def _device_memory(device: torch.device, local_world_size: int) -> int:

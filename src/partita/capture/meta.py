@@ -66,7 +66,8 @@ def load_factory(target: str):
     return factory, Path(getattr(module, "__file__", module_name))
 
 
-_GRAPH_FORMAT = 2  # what _graph_to_json writes (2: the outputs' bytes); part of the cache key
+# what _graph_to_json writes (2: the outputs' bytes, 3: the whole graph's digest); part of the cache key
+_GRAPH_FORMAT = 3
 
 
 def _graph_to_json(graph: ModelGraph) -> str:
@@ -74,7 +75,7 @@ def _graph_to_json(graph: ModelGraph) -> str:
                         "activation_bytes": b.activation_bytes.lines} for b in graph.blocks],
             "param_bytes": graph.param_bytes, "boundary_bytes": [f.lines for f in graph.boundary_bytes],
             "input_bytes": graph.input_bytes.lines, "fingerprint": graph.fingerprint,
-            "output_bytes": graph.output_bytes.lines}
+            "output_bytes": graph.output_bytes.lines, "digest": graph.digest}
     return json.dumps(data)
 
 
@@ -85,7 +86,7 @@ def _graph_from_json(text: str) -> ModelGraph:
                             "fwd_flops": fit(b["fwd_flops"]), "fwd_bytes": fit(b["fwd_bytes"]),
                             "activation_bytes": fit(b["activation_bytes"])}) for b in data["blocks"])
     return ModelGraph(blocks, data["param_bytes"], tuple(fit(f) for f in data["boundary_bytes"]),
-                      fit(data["input_bytes"]), data["fingerprint"], fit(data["output_bytes"]))
+                      fit(data["input_bytes"]), data["fingerprint"], fit(data["output_bytes"]), data["digest"])
 
 
 def meta_graph(target: str, inputs: list[str], dtype: str = "float32") -> tuple[ModelGraph, bool]:

@@ -21,6 +21,7 @@ from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from partita.capture.export import CapturedGraph
+from partita.capture.listing import digest, module_of, node_lines, shape_text
 from partita.capture.shapes import concrete, value_dependent
 from partita.capture.split import units, written_args
 from partita.graph import Block, ModelGraph
@@ -80,24 +81,8 @@ def _traffic(node: fx.Node, batch: int) -> int:
     return sum(_bytes(a.meta.get("val"), batch) for a in node.all_input_nodes) + _bytes(node.meta.get("val"), batch)
 
 
-def _module(node: fx.Node) -> str:
-    stack = [path for path, _ in node.meta.get("nn_module_stack", {}).values() if not path.startswith("_empty")]
-    if not stack:
-        return ""
-    path = stack[-1]
-    return path[len("model."):] if path.startswith("model.") else ("" if path == "model" else path)
-
-
 def _line(group: list[fx.Node], measure) -> Fit:
     return Fit.through(1, sum(measure(n, 1) for n in group), 2, sum(measure(n, 2) for n in group))
-
-
-def _shape_text(val) -> str:
-    if isinstance(val, (list, tuple)):
-        return f"({','.join(_shape_text(v) for v in val)})"
-    if not isinstance(val, torch.Tensor):
-        return type(val).__name__
-    return f"{val.dtype}{[_concrete(d, 1) for d in val.shape]}{[_concrete(d, 2) for d in val.shape]}"
 
 
 def _op_text(node: fx.Node, requires_grad: dict[str, bool]) -> str:
@@ -111,10 +96,10 @@ def _op_text(node: fx.Node, requires_grad: dict[str, bool]) -> str:
             return repr(torch.device(a.type))
         if not isinstance(a, fx.Node):
             return repr(a)
-        return _shape_text(a.meta.get("val")) + ("^" if requires_grad.get(a.name) else "")
+        return shape_text(a.meta.get("val")) + ("^" if requires_grad.get(a.name) else "")
 
     args = pytree.tree_map(arg, (node.args, dict(node.kwargs)), is_leaf=lambda a: isinstance(a, fx.Node))
-    return f"{node.target}{args}->{_shape_text(node.meta.get('val'))}"
+    return f"{node.target}{args}->{shape_text(node.meta.get('val'))}"
 
 
 @dataclass
@@ -135,7 +120,7 @@ def _units(cap: CapturedGraph) -> list[_Unit]:
     # so each distinct one is counted once; counting runs every op on meta tensors, twice
     counted: dict[str, tuple[Fit, Fit, Fit]] = {}
     for group in units(cap):
-        path = _module(group[0])
+        path = module_of(group[0])
         text = ";".join(_op_text(n, cap.requires_grad) for n in group)
         if text not in counted:
             counted[text] = (_line(group, _flops), _line(group, _traffic),
@@ -215,6 +200,7 @@ def model_graph(cap: CapturedGraph) -> ModelGraph:
                                 2, sum(_bytes(placeholder_of[n].meta["val"], 2) for n in cap.user_inputs)),
         output_bytes=Fit.through(1, sum(_bytes(o.meta["val"], 1) for o in outputs),
                                  2, sum(_bytes(o.meta["val"], 2) for o in outputs)),
+        digest=digest(node_lines(cap.gm)),
     )
 
 

@@ -105,6 +105,11 @@ def _prepare_environment(nproc: int, log_dir: str) -> str:
     # or later) waits forever for the store address that only the first round publishes (pytorch#135712):
     # each round gets a store of its own instead, hosted by its rank 0 on a fresh port
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # one hash seed for every rank, unless the user chose one: a model whose forward iterates over a set of strings
+    # (Hugging Face's Gemma 3) captures its operations in that set's order, which follows the seed, and ranks that
+    # captured different graphs cannot train together (planning.agree_on_graph refuses them)
+    if not os.environ.get("PYTHONHASHSEED", "").isdigit():
+        os.environ["PYTHONHASHSEED"] = "0"
     return _resume_file(log_dir)
 
 

@@ -88,8 +88,13 @@ class ModelGraph:
     param_bytes: dict[str, int]  # FQN -> bytes, every parameter some block reads
     boundary_bytes: tuple[Fit, ...]  # bytes live across the cut after block i (i < num_blocks - 1)
     input_bytes: Fit  # bytes of the tensor inputs of one call
+    # of the blocks' structure (their first and last operations and their parameters): what a saved plan is
+    # matched against, so that it serves the same model at other input sizes
     fingerprint: str = field(default="")
     output_bytes: Fit = Fit.line(0.0, 0.0)  # bytes of the tensor outputs of one call
+    # of the whole captured graph (every operation, in order, its arguments and shapes: capture.listing), which
+    # every rank of a job must have captured alike
+    digest: str = ""
     # param_bytes_of by (start, stop): the planner asks for the same ranges under every candidate layout
     _param_bytes_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 

@@ -133,6 +133,11 @@ def render(job: SlurmJob, command_line: str) -> str:
            'rm -f "$PARTITA_STOP_FILE" "$PARTITA_RESUME_FILE"'] if job.requeue else []),
         "trap 'echo \"partita: the time limit is near: wrote $PARTITA_STOP_FILE\"; touch \"$PARTITA_STOP_FILE\"' USR1",
         "",
+        *_comment("One hash seed for every rank: a model whose forward iterates over a set of strings captures its "
+                  "operations in that set's order, which follows the seed, and every rank must capture the same "
+                  "graph."),
+        'export PYTHONHASHSEED="${PYTHONHASHSEED:-0}"',
+        "",
         *_launch(job),
         "",
         *_comment("srun runs in the background because bash runs a trap only between commands; a trap also ends "

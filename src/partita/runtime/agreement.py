@@ -224,6 +224,25 @@ def agree(description: str, what: str, problem: BaseException | None = None, row
     return start_agreeing(description, what, problem, rows).rows()
 
 
+def compare(description: str, details) -> list | None:
+    """None where every rank's `description` (a digest, say) is the same; where they differ, every rank's
+    `details()` (a callable: called and gathered only then, as they may be large), for the caller to say on
+    every rank what differs. A rank elsewhere, or one that left, makes every rank raise as `agree` does. Costs
+    one all-reduce where every rank says the same."""
+    if _single():
+        return None
+    said = _exchange(State.CALLING, 0, description)
+    rank = dist.get_rank()
+    why = _elsewhere(said, rank) or _left_early(said, rank)
+    if why is not None:
+        raise PartitaError(why)
+    if len({s.text for s in said}) == 1:
+        return None
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, details(), group=cpu_group())
+    return every
+
+
 class Agreement:
     """An agreement under way: this rank's statement is posted, `rows()` waits for every rank's. Until then
     the rank may compute, but must not join another collective: a rank whose statement differs joins the

@@ -12,7 +12,9 @@
    and ZeRO-3, `fully_sharded.py`: applied before the pipeline split's runtime, which cuts its stages into
    FSDP's units);
 5. precision: float16's loss scale takes over the optimizer's step (`precision.py`; autocast itself wraps
-   each stage's forward).
+   each stage's forward);
+6. the check that every rank starts from the same software, plan, stage boundaries and initial weights
+   (`same_start.py`).
 
 Later parallelisms take their place in this order (tensor parallelism and recomputation before sharding,
 precision after it, each applied to the stages of step 3), so that each lands here and nowhere else.
@@ -36,6 +38,7 @@ from partita.runtime.ownership import named_state, ownership
 from partita.runtime.pipeline_parallel import PipelineParallel
 from partita.runtime.precision import SCALED
 from partita.runtime.run import Runtime
+from partita.runtime.same_start import check_same_start
 
 
 def build_runtime(module: nn.Module, cap: CapturedGraph, graph: ModelGraph, plan: Plan, first_call: Call, *,
@@ -67,4 +70,5 @@ def build_runtime(module: nn.Module, cap: CapturedGraph, graph: ModelGraph, plan
         runtime.shard_optimizer_state(optimizer, groups)
     if optimizer is not None and plan.precision in SCALED:
         runtime.scale_loss(optimizer)
+    check_same_start(module, plan.to_json(), runtime.stage_boundaries())
     return runtime

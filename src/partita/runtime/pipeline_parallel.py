@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.capture.export import CapturedGraph, capture
+from partita.capture.listing import digest, node_lines
 from partita.capture.split import carry_stages, check_ownership
 from partita.plan.plan import Plan
 from partita.runtime.batch import Call, Loss
@@ -27,6 +28,7 @@ from partita.runtime.ownership import Ownership
 from partita.runtime.pipelined import Engine, Place
 from partita.runtime.route import Replica
 from partita.runtime.run import Runtime
+from partita.runtime.same_graph import agreed_capture
 from partita.schedule import Action
 
 
@@ -78,6 +80,12 @@ class PipelineParallel(Runtime):
         """The compute actions the last call ran on this rank, in order."""
         return self._last.executed()
 
+    def stage_boundaries(self) -> str:
+        """The ownership's, and the values each stage of the first call's engine receives and sends."""
+        graphs = next(iter(self.engines.values())).graphs
+        return super().stage_boundaries() + repr([(g.index, g.inputs, g.outputs, sorted(g.parameters.values()))
+                                                  for g in graphs])
+
     def _params_of_stages(self, stages: tuple[int, ...]) -> dict[int, set[int]]:
         """For each of `stages`, the ids of the parameters it reads (under any of their names, when tied)."""
         return {s: {id(self.parameters[f]) for f in self.ownership.stage_params.get(s, ())} for s in stages}
@@ -101,6 +109,7 @@ class PipelineParallel(Runtime):
         key = (call.modes, call.signature.key, self._requires_grad())
         if key not in self.engines:
             cap = capture(self.module, call.args, call.kwargs)
+            cap = agreed_capture(cap, digest(node_lines(cap.gm)))
             self.engines[key] = self._engine(
                 cap, carry_stages(cap, self.ownership.stage_of_node, self.ownership.stages_of_param()))
         self._last = self.engines[key]

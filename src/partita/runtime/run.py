@@ -102,6 +102,13 @@ class Runtime:
     def owner_of(self, name: str) -> int:
         return self.ownership.owner.get(name, 0)
 
+    def stage_boundaries(self) -> str:
+        """Which operations, parameters and buffers each stage gets and which rank owns each tensor, as text that
+        every rank must have alike."""
+        o = self.ownership
+        return repr((o.stage_of_unit, sorted((s, sorted(p)) for s, p in o.stage_params.items()),
+                     sorted((s, sorted(b)) for s, b in o.stage_buffers.items()), sorted(o.owner.items())))
+
     def trained_here(self) -> set[int]:
         """ids of the parameters whose optimizer state lives on this rank: those its stages read, less those
         another replica of its stage keeps (sharding)."""
