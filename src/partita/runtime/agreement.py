@@ -63,6 +63,9 @@ class _Said:
 
 
 _calls = 0  # calls of parallelized models this process made: the step count a rank that leaves reports
+# why this process may join no collective call of partita any more: an error that stopped a step mid-way
+_failed: str | None = None
+PIPELINE_END = "the end of a pipeline's run"
 
 
 def _single() -> bool:
@@ -121,6 +124,11 @@ def _post(state: State, rows: int, text: str, error: RankError | None = None, wh
     of two int64s: the largest and the negated smallest digest of (state, rows, where, text) are equal only if
     every rank's is the same. (gloo's all-gather of four int64s took 4 ms on 4 ranks sharing 2 cores, this
     1.1 ms.)"""
+    if _failed is not None:
+        raise PartitaError(f"rank {dist.get_rank()} went on after {_failed}. The job cannot go on from there: end the "
+                           "script at that error on every rank (do not catch it and call partita again) and start "
+                           "the job again, from its last checkpoint (partita.elastic; partita run --max-restarts N "
+                           "restarts it by itself)")
     word = _digest(f"{int(state)} {rows} {where} {text}")
     extremes = torch.tensor([word, -word], dtype=torch.int64)
     return _Posted(state, rows, text, error, where, _calls, extremes,
@@ -199,6 +207,36 @@ def any_rank_says(where: str, flag: bool) -> bool:
     if why is not None:
         raise PartitaError(why)
     return any(s.rows for s in said)
+
+
+def end_of_pipeline(problem: Exception | None, failed_while: str = "", step: int = 0) -> None:
+    """At the end of every run of a pipeline's steps, on every rank of the job: whether a rank failed in it
+    (`problem`, while `failed_while`, in time step `step`). A rank whose stage raised went on sending its
+    messages, zeros, so that no rank waits for it; the ranks after it computed on them, and may have failed
+    because of them, in a later step. Every rank raises the same error: the earliest step's failure (the
+    lowest rank's among those of one step), naming its rank and what it ran. The step's gradients are lost and
+    the ranks' groups may hold collectives only some ranks started: the job cannot go on, and any later
+    collective call of partita in the process refuses (`_post`)."""
+    global _failed
+    if _single():
+        if problem is not None:
+            raise as_partita(problem) from problem
+        return
+    rank = dist.get_rank()
+    mine = None
+    if problem is not None:
+        sent = RankError.of(rank, problem)
+        mine = RankError(rank, sent.kind, f"rank {rank} failed while {failed_while}: {sent.message}")
+    said = _exchange(State.FAILING if mine else State.CALLING, step if mine else 0, mine.message if mine else "",
+                     mine, PIPELINE_END)
+    why = _elsewhere(said, rank)
+    if why is not None:
+        raise PartitaError(why) from problem
+    failed = [(s.rows, s.error.rank, s.error) for s in said if s.error is not None]
+    if failed:
+        first = min(failed, key=lambda f: f[:2])[2]
+        _failed = f"the error every rank raised in its call {_calls} of the model ({first.message})"
+        raise first.error(named=False) from problem
 
 
 def at_barrier() -> None:
@@ -342,6 +380,9 @@ def leave() -> bool:
     an error naming this rank; this one logs it and must not wait for them in a barrier)."""
     if _single():
         return True
+    if _failed is not None:  # the ranks' groups may hold collectives only some ranks started
+        log.error("partita: rank %d leaves after %s", dist.get_rank(), _failed)
+        return False
     said = _exchange(State.LEAVING, 0, "leaving", where=SHUTDOWN)
     why = _elsewhere(said, dist.get_rank()) or _left_early(said, dist.get_rank())
     if why is not None:
