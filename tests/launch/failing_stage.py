@@ -49,7 +49,7 @@ def main() -> None:
         try:
             loss = model(x, tag, y)
         except partita.PartitaError:
-            if CASE != "goes_on" or rank != 1:
+            if CASE != "goes_on" or rank != 1 or step != 2:
                 raise
             print(f"rank {rank} caught the error and goes on", flush=True)
             continue
