@@ -60,3 +60,17 @@ def test_a_rank_that_goes_on_after_the_error_is_refused_naming_itself(tmp_path):
                      r"cannot go on", went_on), went_on
     for rank in (0, 2, 3):
         assert "PartitaError: rank 2 failed while running stage 0's forward" in rank_output(tmp_path, rank)
+
+
+def test_a_rank_that_goes_on_after_its_own_error_under_data_parallel_is_refused_naming_itself(tmp_path):
+    """Under DDP a rank's forward raises on that rank alone, and the others go on to the backward's sums: the rank
+    that catches its error and calls the model again must not meet those with another collective (gloo aborted
+    the others with "collective mismatch", blaming another rank)."""
+    proc, took = run("data_parallel_goes_on", tmp_path)
+    assert proc.returncode == 1, output(proc)
+    assert took < SECONDS, f"took {took:.0f} s\n{output(proc)}"
+    assert "SIGABRT" not in proc.stderr and "exitcode: -6" not in proc.stderr, output(proc)
+    went_on = rank_output(tmp_path, 3)
+    assert "rank 3 caught the error and goes on" in went_on, went_on
+    assert "PartitaError: rank 3 went on after its own error in its call 3 of the model (IndexError: index out of " \
+           "range in self), which the other ranks did not have" in went_on, went_on

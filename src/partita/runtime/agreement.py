@@ -29,7 +29,7 @@ from torch.distributed.distributed_c10d import BackendConfig
 
 from partita import settings
 from partita.capture.export import CallSignature, Modes
-from partita.errors import BatchError, PartitaError, RankError, as_partita, first_error
+from partita.errors import BatchError, PartitaError, RankError, as_partita, describe, first_error
 
 log = logging.getLogger("partita")
 
@@ -63,8 +63,9 @@ class _Said:
 
 
 _calls = 0  # calls of parallelized models this process made: the step count a rank that leaves reports
-# why this process may join no collective call of partita any more: an error that stopped a step mid-way
-_failed: str | None = None
+# why this process may join no collective call of partita any more (an error that stopped a step mid-way), under
+# the default group it happened in (a process may make a new one, and start over there)
+_failed_in: tuple[dist.ProcessGroup | None, str] = (None, "")
 PIPELINE_END = "the end of a pipeline's run"
 
 
@@ -124,8 +125,8 @@ def _post(state: State, rows: int, text: str, error: RankError | None = None, wh
     of two int64s: the largest and the negated smallest digest of (state, rows, where, text) are equal only if
     every rank's is the same. (gloo's all-gather of four int64s took 4 ms on 4 ranks sharing 2 cores, this
     1.1 ms.)"""
-    if _failed is not None:
-        raise PartitaError(f"rank {dist.get_rank()} went on after {_failed}. The job cannot go on from there: end the "
+    if failure() is not None:
+        raise PartitaError(f"rank {dist.get_rank()} went on after {failure()}. The job cannot go on from there: end the "
                            "script at that error on every rank (do not catch it and call partita again) and start "
                            "the job again, from its last checkpoint (partita.elastic; partita run --max-restarts N "
                            "restarts it by itself)")
@@ -209,6 +210,29 @@ def any_rank_says(where: str, flag: bool) -> bool:
     return any(s.rows for s in said)
 
 
+def failure() -> str | None:
+    """The error after which this process may join no collective call of partita any more, if one ended a step
+    mid-way (`end_of_pipeline`, `failed_alone`)."""
+    group, why = _failed_in
+    return why if why and group is dist.group.WORLD else None
+
+
+def _fail(why: str) -> None:
+    global _failed_in
+    if failure() is None:
+        _failed_in = (dist.group.WORLD, why)
+
+
+def failed_alone(problem: BaseException) -> None:
+    """This rank's call of the model raised `problem` in its own computation, after the call's agreement: the
+    other ranks go on to the collectives after it (a backward's sums of gradients) and wait there for this one,
+    which must join no other collective call (it would meet theirs: gloo aborts on collectives of different
+    sizes), and refuses to."""
+    if not _single():
+        _fail(f"its own error in its call {_calls} of the model ({describe(problem)}), which the other ranks did not "
+              "have: they went on to the collectives after the call and wait there for this rank")
+
+
 def end_of_pipeline(problem: Exception | None, failed_while: str = "", step: int = 0) -> None:
     """At the end of every run of a pipeline's steps, on every rank of the job: whether a rank failed in it
     (`problem`, while `failed_while`, in time step `step`). A rank whose stage raised went on sending its
@@ -217,7 +241,6 @@ def end_of_pipeline(problem: Exception | None, failed_while: str = "", step: int
     lowest rank's among those of one step), naming its rank and what it ran. The step's gradients are lost and
     the ranks' groups may hold collectives only some ranks started: the job cannot go on, and any later
     collective call of partita in the process refuses (`_post`)."""
-    global _failed
     if _single():
         if problem is not None:
             raise as_partita(problem) from problem
@@ -235,7 +258,7 @@ def end_of_pipeline(problem: Exception | None, failed_while: str = "", step: int
     failed = [(s.rows, s.error.rank, s.error) for s in said if s.error is not None]
     if failed:
         first = min(failed, key=lambda f: f[:2])[2]
-        _failed = f"the error every rank raised in its call {_calls} of the model ({first.message})"
+        _fail(f"the error every rank raised in its call {_calls} of the model ({first.message})")
         raise first.error(named=False) from problem
 
 
@@ -380,8 +403,8 @@ def leave() -> bool:
     an error naming this rank; this one logs it and must not wait for them in a barrier)."""
     if _single():
         return True
-    if _failed is not None:  # the ranks' groups may hold collectives only some ranks started
-        log.error("partita: rank %d leaves after %s", dist.get_rank(), _failed)
+    if failure() is not None:  # the ranks' groups may hold collectives only some ranks started
+        log.error("partita: rank %d leaves after %s", dist.get_rank(), failure())
         return False
     said = _exchange(State.LEAVING, 0, "leaving", where=SHUTDOWN)
     why = _elsewhere(said, dist.get_rank()) or _left_early(said, dist.get_rank())
