@@ -38,6 +38,8 @@ def main() -> None:
     net = Tagged()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     layout = dict(stages=1) if CASE == "data_parallel_goes_on" else dict(stages=2, replicas=2, micro_batches=2)
+    if CASE == "sharded":  # FSDP gathers and sums the stages' parameters over their replicas inside their compute
+        layout["sharding"] = "parameters"
     model = partita.parallelize(net, opt, loss_fn=nn.CrossEntropyLoss(), **layout)
     g = torch.Generator().manual_seed(rank)
     for step in range(5):

@@ -74,3 +74,16 @@ def test_a_rank_that_goes_on_after_its_own_error_under_data_parallel_is_refused_
     assert "rank 3 caught the error and goes on" in went_on, went_on
     assert "PartitaError: rank 3 went on after its own error in its call 3 of the model (IndexError: index out of " \
            "range in self), which the other ranks did not have" in went_on, went_on
+
+
+def test_a_failing_stage_under_fsdp_ends_every_rank_with_its_rank_and_stage(tmp_path):
+    """Under sharding="parameters" the stages' replicas gather and sum parameters inside their compute: the ranks
+    held there for the failing rank never reach partita's statement at the end of the run. Each has heard of the
+    failure from the failing rank's watchdog message, names it, and ends."""
+    proc, took = run("sharded", tmp_path)
+    assert proc.returncode == 1, output(proc)
+    assert took < SECONDS, f"took {took:.0f} s\n{output(proc)}"
+    for rank in range(4):
+        printed = rank_output(tmp_path, rank)
+        assert "rank 2 failed while running stage 0's forward of micro-batch 1: RuntimeError: [Stage 0] failed to " \
+               "run forward:, from IndexError: index out of range in self" in printed, f"rank {rank}\n{printed}"

@@ -10,6 +10,11 @@ stopped or frozen: the thread names it on stderr, kills it with SIGKILL when it 
 machine (such a process acts on no other signal, so its launcher would wait for it in vain), and ends this rank
 with exit status 1, so that the launcher (`partita run`, torchrun) ends the job, or restarts it. A rank that
 leaves (`partita.shutdown()`, or the end of its process) says so first, and is not waited for.
+
+The same thread ends a rank held by a failure elsewhere: a rank whose stage raised tells every rank through
+partita's statements at the end of the run (runtime.agreement), but a rank held in a collective the failing rank
+never joins (FSDP's, inside a stage's compute) never gets there. The failing rank also publishes its failure in
+the store (`tell`); a rank that has not heard of it otherwise GRACE_S later prints it and ends.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ BEAT_S = 1.0
 SILENT_S = 20.0  # with torchrun's 30 s for the ranks it stops, a job with a stopped rank ends within 60 s
 _BEATS = "watchdog/beats/"
 _LEFT = "watchdog/left/"
+_FAILED = "watchdog/failed"
+GRACE_S = 10.0  # for ranks to hear a failure in partita's own statements before they are ended
+_SAY_S = 2.0  # a rank that has not heard of a failure so long after it was published names it
 _STORE_TIMEOUT = timedelta(seconds=5)
 
 _running: dict = {}  # store, rank, stop (an Event) of this process's watch
@@ -49,6 +57,19 @@ def start(store: dist.Store, rank: int, world_size: int, server: int | None) -> 
     atexit.register(leave)
 
 
+def tell(message: str, raised: bool) -> None:
+    """A rank failed in a step (`message` says which, where, and its error): this one, or this one `raised` it.
+    The first such message is published: a rank that has not raised it through partita's statements within
+    GRACE_S (the failing rank too) is held in a collective some rank never joins, and ends with that message."""
+    if not _running:
+        return
+    _running["heard"] = _running.get("heard", False) or raised
+    try:
+        _running["store"].compare_set(_FAILED, "", message)  # the first failure stands
+    except Exception:  # noqa: BLE001 - a store that is gone: the launcher ends the job
+        pass
+
+
 def leave() -> None:
     """This rank stops beating and says so: its neighbours do not wait for its beats any more."""
     if not _running:
@@ -66,10 +87,22 @@ def _watch(store: dist.Store, rank: int, world_size: int, server: int | None, st
     now = time.monotonic()
     heard = {r: (-1, now) for r in watched}  # each neighbour's last count, and when it last changed
     reached = now  # when the store last answered
+    failure_seen = None  # when a published failure was first seen
+    said = False  # whether this rank printed it
     while not stop.wait(BEAT_S):
         now = time.monotonic()
         try:
             store.add(f"{_BEATS}{rank}", 1)
+            if not _running.get("heard") and store.check([_FAILED]):
+                failure_seen = failure_seen or now
+                if failure_seen < now - _SAY_S and not said:
+                    # every rank names it: the launcher may end a rank before its own grace ends
+                    said = True
+                    print(f"partita: {store.get(_FAILED).decode()}. Rank {rank} has not heard of it in partita's "
+                          f"statements yet: it ends within {GRACE_S:.0f} s unless it does", file=sys.stderr,
+                          flush=True)
+                if now - failure_seen > GRACE_S and not stop.is_set():
+                    _end_after_failure(rank, store.get(_FAILED).decode())
             for r in list(watched):
                 if store.check([f"{_LEFT}{r}"]):
                     watched.remove(r)
@@ -85,6 +118,14 @@ def _watch(store: dist.Store, rank: int, world_size: int, server: int | None, st
         silent = [r for r in watched if now - heard[r][1] > SILENT_S]
         if silent and not stop.is_set():
             _end(rank, silent, max(now - heard[r][1] for r in silent), "")
+
+
+def _end_after_failure(rank: int, message: str) -> None:
+    print(f"partita: {message}. Rank {rank} waits for that rank in a collective it never joins: ending rank {rank} "
+          "so that the launcher ends the job (or restarts it from the last checkpoint: partita run --max-restarts N).",
+          file=sys.stderr, flush=True)
+    leave()
+    os._exit(1)
 
 
 def _end(rank: int, silent: list[int], seconds: float, serving: str) -> None:

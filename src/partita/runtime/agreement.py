@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+from collections.abc import Callable
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -210,6 +211,30 @@ def any_rank_says(where: str, flag: bool) -> bool:
     return any(s.rows for s in said)
 
 
+_tellers: list[Callable[[str, bool], None]] = []
+
+
+def tell_failures_with(hook: Callable[[str, bool], None]) -> None:
+    """Run `hook(message, raised)` when this rank fails in a step (`failing`: `raised` false until the end of the
+    run raises it) or raises a failure there (`end_of_pipeline`, `failed_alone`): the API registers the launcher's way of telling ranks that may be held in
+    a collective the failing rank never joins (FSDP's, inside a stage's compute), which no statement reaches."""
+    if hook not in _tellers:
+        _tellers.append(hook)
+
+
+def _tell(message: str, raised: bool) -> None:
+    for hook in _tellers:
+        hook(message, raised)
+
+
+def failing(problem: Exception, failed_while: str) -> None:
+    """This rank's stage raised `problem` while `failed_while`, in a run of a pipeline: tell it at once (see
+    `tell_failures_with`); the run ends in `end_of_pipeline`."""
+    if not _single():
+        rank = dist.get_rank()
+        _tell(f"rank {rank} failed while {failed_while}: {RankError.of(rank, problem).message}", False)
+
+
 def failure() -> str | None:
     """The error after which this process may join no collective call of partita any more, if one ended a step
     mid-way (`end_of_pipeline`, `failed_alone`)."""
@@ -231,6 +256,8 @@ def failed_alone(problem: BaseException) -> None:
     if not _single():
         _fail(f"its own error in its call {_calls} of the model ({describe(problem)}), which the other ranks did not "
               "have: they went on to the collectives after the call and wait there for this rank")
+        _tell(f"rank {dist.get_rank()}'s call {_calls} of the model raised on that rank alone: {describe(problem)}",
+              True)
 
 
 def end_of_pipeline(problem: Exception | None, failed_while: str = "", step: int = 0) -> None:
@@ -259,6 +286,7 @@ def end_of_pipeline(problem: Exception | None, failed_while: str = "", step: int
     if failed:
         first = min(failed, key=lambda f: f[:2])[2]
         _fail(f"the error every rank raised in its call {_calls} of the model ({first.message})")
+        _tell(first.message, True)
         raise first.error(named=False) from problem
 
 

@@ -252,6 +252,7 @@ class Pipeline:
                     sends = self._compute(step, micro_batches, targets, losses, outputs, kept)
                 except Exception as e:  # noqa: BLE001 - every kind must reach the other ranks
                     failed = _Failed(step.step, step.action, e, self._in_loss)
+                    agreement.failing(e, failed.while_running())
             if failed is not None and step.action is not None:
                 sends = self._stand_in_sends(step)
             receives = [op for a in step.receives for op in (
