@@ -216,8 +216,9 @@ _tellers: list[Callable[[str, bool], None]] = []
 
 def tell_failures_with(hook: Callable[[str, bool], None]) -> None:
     """Run `hook(message, raised)` when this rank fails in a step (`failing`: `raised` false until the end of the
-    run raises it) or raises a failure there (`end_of_pipeline`, `failed_alone`): the API registers the launcher's way of telling ranks that may be held in
-    a collective the failing rank never joins (FSDP's, inside a stage's compute), which no statement reaches."""
+    run raises it) or raises a failure there (`end_of_pipeline`, `failed_alone`): the API registers the launcher's
+    way of telling ranks that may be held in a collective the failing rank never joins (FSDP's, inside a stage's
+    compute), which no statement reaches."""
     if hook not in _tellers:
         _tellers.append(hook)
 
@@ -268,15 +269,15 @@ def end_of_pipeline(problem: Exception | None, failed_while: str = "", step: int
     lowest rank's among those of one step), naming its rank and what it ran. The step's gradients are lost and
     the ranks' groups may hold collectives only some ranks started: the job cannot go on, and any later
     collective call of partita in the process refuses (`_post`)."""
-    if _single():
-        if problem is not None:
-            raise as_partita(problem) from problem
-        return
-    rank = dist.get_rank()
+    rank = dist.get_rank() if dist.is_initialized() else 0
     mine = None
     if problem is not None:
         sent = RankError.of(rank, problem)
         mine = RankError(rank, sent.kind, f"rank {rank} failed while {failed_while}: {sent.message}")
+    if _single():
+        if mine is not None:
+            raise mine.error(named=False) from problem
+        return
     said = _exchange(State.FAILING if mine else State.CALLING, step if mine else 0, mine.message if mine else "",
                      mine, PIPELINE_END)
     why = _elsewhere(said, rank)

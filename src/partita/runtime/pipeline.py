@@ -243,6 +243,7 @@ class Pipeline:
             self.executed.clear()
         posted, kept = _Posted(), {}
         failed: _Failed | None = None
+        self._in_loss = False
         for step in steps:
             sends = []
             if step.action is not None and failed is None:
@@ -260,9 +261,11 @@ class Pipeline:
                 else self.by_index[a.stage].get_bwd_recv_ops(a.micro_batch))]
             posted.post(step, sends + receives)
         posted.wait_all()
-        # every rank of the job, whether any failed, and the same error on each where one did (agreement.py)
-        agreement.end_of_pipeline(None if failed is None else failed.problem,
-                                  failed.while_running() if failed is not None else "", failed.step if failed else 0)
+        # every rank of the job hears whether any failed, and raises the same error where one did
+        if failed is None:
+            agreement.end_of_pipeline(None)
+        else:
+            agreement.end_of_pipeline(failed.problem, failed.while_running(), failed.step)
 
     def _receives_input(self, action: Action) -> bool:
         """Whether `action`'s input comes in a message (rather than from the micro-batch, the loss, a stage on this
