@@ -4,8 +4,8 @@ In the third step rank 3's rows hold an id out of the model's embedding's range 
 embedding raises torch's IndexError in its forward) or a label out of the loss's classes (CASE "label": the last
 stage raises in the loss, and owes the stage before it the gradients of its backward). Errors are not caught,
 except under CASE "goes_on" ("tag"'s failure), where rank 1 catches it and calls the model again, and
-"data_parallel_goes_on", where a one-stage plan (DDP) runs "tag" and rank 3 catches its own error and goes on. The test reads
-what each rank printed, and the time of the failing step that rank 3 writes to DIR/failing.
+"data_parallel_goes_on", where a one-stage plan (DDP) runs "tag" and rank 3 catches its own error and goes on; CASE
+"sharded" is "tag" under sharding="parameters". The test reads what each rank printed, and the time of the failing step that rank 3 writes to DIR/failing.
 """
 
 import os
@@ -43,7 +43,8 @@ def main() -> None:
     model = partita.parallelize(net, opt, loss_fn=nn.CrossEntropyLoss(), **layout)
     g = torch.Generator().manual_seed(rank)
     for step in range(5):
-        x, y, tag = torch.randn(4, 8, generator=g), torch.randint(4, (4,), generator=g), torch.zeros(4, dtype=torch.long)
+        x, y = torch.randn(4, 8, generator=g), torch.randint(4, (4,), generator=g)
+        tag = torch.zeros(4, dtype=torch.long)
         if step == 2 and rank == 3:
             open(os.path.join(DIR, "failing"), "w").write(str(time.time()))
             if CASE == "label":

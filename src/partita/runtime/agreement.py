@@ -127,8 +127,8 @@ def _post(state: State, rows: int, text: str, error: RankError | None = None, wh
     every rank's is the same. (gloo's all-gather of four int64s took 4 ms on 4 ranks sharing 2 cores, this
     1.1 ms.)"""
     if failure() is not None:
-        raise PartitaError(f"rank {dist.get_rank()} went on after {failure()}. The job cannot go on from there: end the "
-                           "script at that error on every rank (do not catch it and call partita again) and start "
+        raise PartitaError(f"rank {dist.get_rank()} went on after {failure()}. The job cannot go on from there: end "
+                           "the script at that error on every rank (do not catch it and call partita again) and start "
                            "the job again, from its last checkpoint (partita.elastic; partita run --max-restarts N "
                            "restarts it by itself)")
     word = _digest(f"{int(state)} {rows} {where} {text}")
