@@ -12,6 +12,12 @@ rank that stops early is found at the others' next call. Each step of partita's 
 collective the other never joins. Anything but agreement leads to one more exchange, of every rank's whole
 statement (with how many calls it made), and every rank raises the same error naming the rank and the cause,
 or, for rows that differ, gets every rank's rows.
+
+A pipeline's run ends with a statement too (`end_of_pipeline`): a stage that raised mid-run cannot say so
+before its peers wait for its messages, so it sends them zeros and says so at the end, and every rank raises its
+error. After such an error (or one a rank had alone, `failed_alone`) the ranks' groups may hold collectives only
+some ranks joined: the process refuses any further statement, naming itself, rather than meet a collective of
+another size (gloo aborts the process then).
 """
 
 from __future__ import annotations
@@ -125,7 +131,7 @@ def _post(state: State, rows: int, text: str, error: RankError | None = None, wh
     """Start telling every rank this statement. The common case (every rank says the same) costs one all-reduce
     of two int64s: the largest and the negated smallest digest of (state, rows, where, text) are equal only if
     every rank's is the same. (gloo's all-gather of four int64s took 4 ms on 4 ranks sharing 2 cores, this
-    1.1 ms.)"""
+    1.1 ms.) A process whose job failed mid-step (`failure`) refuses, naming itself."""
     if failure() is not None:
         raise PartitaError(f"rank {dist.get_rank()} went on after {failure()}. The job cannot go on from there: end "
                            "the script at that error on every rank (do not catch it and call partita again) and start "
