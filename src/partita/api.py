@@ -23,7 +23,7 @@ from partita.checkpoint.relayout import relayout
 from partita.checkpoint.weights import model_weights
 from partita.errors import BatchError, PlanError
 from partita.graph import ModelGraph
-from partita.launch import env
+from partita.launch import env, watchdog
 from partita.plan import Constraints, Plan
 from partita.plan.choose import simulate_plan
 from partita.plan.plan import check_sharding
@@ -363,5 +363,6 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     # partita.barrier() says where this rank is
     env.before_leaving(agreement.leave)
     env.before_barrier(agreement.at_barrier)
+    agreement.tell_failures_with(watchdog.tell)  # ranks held in a collective the failing rank never joins
     reader = model_weights(weights, model, strict=strict) if weights is not None else None
     return ParallelModule(model, optimizer, loss_fn, constraints, plan, initial_of(model, init_fn, reader))

@@ -56,10 +56,29 @@ KINDS: dict[str, type[PartitaError]] = {c.__name__: c for c in (
 
 
 def as_partita(exc: BaseException) -> PartitaError:
-    """`exc` itself if it is a PartitaError; any other exception becomes a PartitaError "TypeName: message"."""
+    """`exc` itself if it is a PartitaError; any other exception becomes a PartitaError "TypeName: message"
+    (`describe`)."""
     if isinstance(exc, PartitaError):
         return exc
-    return PartitaError(f"{type(exc).__name__}: {exc}")
+    return PartitaError(describe(exc))
+
+
+def describe(exc: BaseException) -> str:
+    r""""TypeName: message". An error whose message is empty or starts on a new line, raised from another (torch's
+    pipeline stage wraps the model's error so, in a message of debugging details), is shown with its first line
+    and the error it came from: its own first line alone would be a bare "RuntimeError:".
+
+    >>> try:
+    ...     raise RuntimeError("\n    [Stage 1] failed to run forward:\n    args: ...") from ValueError("bad row")
+    ... except RuntimeError as e:
+    ...     describe(e)
+    'RuntimeError: [Stage 1] failed to run forward:, from ValueError: bad row'
+    """
+    text = str(exc)
+    if exc.__cause__ is None or (text.strip() and not text[:1].isspace()):
+        return f"{type(exc).__name__}: {text}"
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{type(exc).__name__}: {first + ', ' if first else ''}from {describe(exc.__cause__)}"
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 job took to end, and the message every rank printed.
 
 Cases that live elsewhere, with real processes too: a killed rank (test_run.py), a stopped rank
-(test_stopped_rank.py), SIGTERM / SIGUSR1 and kill -9 during training or during a save (test_elastic.py), damaged and
+(test_stopped_rank.py), a pipeline stage that raises on one rank of four, and ranks that go on after an error
+(test_failing_stage.py), SIGTERM / SIGUSR1 and kill -9 during training or during a save (test_elastic.py), damaged and
 crafted checkpoints (test_checkpoint_integrity.py, test_elastic_fallback.py, torch/test_checkpoint_files.py), bad
 PARTITA_* settings (test_bad_settings.py), more ranks on a node than GPUs (gpu/test_cuda.py, where CUDA is;
 unit/test_gpus.py here), the same errors on every rank of a pool of processes (distributed/test_bad_input.py), and

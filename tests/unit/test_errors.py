@@ -79,3 +79,17 @@ def test_first_error_is_unnamed_when_every_rank_failed_alike():
     differ = alike[:2] + [RankError.of(2, PlanError("other"))]
     assert str(first_error(differ, world=3)) == "rank 0: same"
     assert str(first_error(differ, world=3, failed_while="planning")) == "rank 0 failed while planning: same"
+
+
+def test_an_error_whose_text_starts_on_a_new_line_shows_the_error_it_came_from():
+    # torch's PipelineStage wraps a stage's error so: RuntimeError(f"\n  [Stage 1] failed to run forward: ...") from e
+    try:
+        try:
+            raise ValueError("index 7 is out of range")
+        except ValueError as e:
+            raise RuntimeError("\n            [Stage 1] failed to run forward:\n            args: ('T(f32)',)\n") from e
+    except RuntimeError as wrapped:
+        sent = RankError.of(1, wrapped)
+    assert str(sent.error()) == ("rank 1: RuntimeError: [Stage 1] failed to run forward:, from ValueError: index 7 is "
+                                 "out of range")
+    assert str(as_partita(RuntimeError("\n"))) == "RuntimeError: \n"  # nothing it came from: as it is

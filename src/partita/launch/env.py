@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from partita import settings
 from partita.errors import LaunchError
-from partita.launch import gpus, mpi, peers, ray_worker, rendezvous, slurm, threads, torchrun
+from partita.launch import gpus, mpi, peers, ray_worker, rendezvous, slurm, threads, torchrun, watchdog
 from partita.launch.detected import Join, Placement
 
 log = logging.getLogger("partita")
@@ -105,7 +105,9 @@ def _join(me: Placement, backend: str, device: torch.device) -> None:
             f"rank {me.rank} of {me.world_size} could not join the process group of its {me.launcher} job ({e}). "
             "Check that every rank was started with the same world size and can reach the others."
         ) from e
-    peers.watch(store, me.rank, server=0 if me.join is Join.STORE else None)  # else torchrun's agent serves it
+    server = 0 if me.join is Join.STORE else None  # else torchrun's agent serves it
+    peers.watch(store, me.rank, server=server)
+    watchdog.start(store, me.rank, me.world_size, server)
     _end_without_finalizing_after_errors()
 
 
@@ -252,6 +254,7 @@ def shutdown() -> None:
     objects at interpreter exit abort about one run in ten otherwise.
     """
     global _world
+    watchdog.leave()
     if dist.is_initialized():
         if all([hook() for hook in _before_leaving]):
             dist.barrier()

@@ -119,6 +119,16 @@ def _from_collective(error: BaseException | None) -> bool:
     return False
 
 
+def pid_of(rank: int) -> int | None:
+    """The process id of `rank` when it runs on this machine (and is not this process); None otherwise."""
+    return _neighbours.get(rank)
+
+
+def stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (by SIGSTOP or its debugger)."""
+    return _state(pid) == "is stopped"
+
+
 def _state(pid: int) -> str | None:
     """How a process that cannot answer is ('ended', 'is stopped'); None while it runs."""
     fields = _stat(pid)

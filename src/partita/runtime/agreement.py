@@ -12,12 +12,19 @@ rank that stops early is found at the others' next call. Each step of partita's 
 collective the other never joins. Anything but agreement leads to one more exchange, of every rank's whole
 statement (with how many calls it made), and every rank raises the same error naming the rank and the cause,
 or, for rows that differ, gets every rank's rows.
+
+A pipeline's run ends with a statement too (`end_of_pipeline`): a stage that raised mid-run cannot say so
+before its peers wait for its messages, so it sends them zeros and says so at the end, and every rank raises its
+error. After such an error (or one a rank had alone, `failed_alone`) the ranks' groups may hold collectives only
+some ranks joined: the process refuses any further statement, naming itself, rather than meet a collective of
+another size (gloo aborts the process then).
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+from collections.abc import Callable
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -29,7 +36,7 @@ from torch.distributed.distributed_c10d import BackendConfig
 
 from partita import settings
 from partita.capture.export import CallSignature, Modes
-from partita.errors import BatchError, PartitaError, RankError, as_partita, first_error
+from partita.errors import BatchError, PartitaError, RankError, as_partita, describe, first_error
 
 log = logging.getLogger("partita")
 
@@ -63,6 +70,10 @@ class _Said:
 
 
 _calls = 0  # calls of parallelized models this process made: the step count a rank that leaves reports
+# why this process may join no collective call of partita any more (an error that stopped a step mid-way), under
+# the default group it happened in (a process may make a new one, and start over there)
+_failed_in: tuple[dist.ProcessGroup | None, str] = (None, "")
+PIPELINE_END = "the end of a pipeline's run"
 
 
 def _single() -> bool:
@@ -120,7 +131,12 @@ def _post(state: State, rows: int, text: str, error: RankError | None = None, wh
     """Start telling every rank this statement. The common case (every rank says the same) costs one all-reduce
     of two int64s: the largest and the negated smallest digest of (state, rows, where, text) are equal only if
     every rank's is the same. (gloo's all-gather of four int64s took 4 ms on 4 ranks sharing 2 cores, this
-    1.1 ms.)"""
+    1.1 ms.) A process whose job failed mid-step (`failure`) refuses, naming itself."""
+    if failure() is not None:
+        raise PartitaError(f"rank {dist.get_rank()} went on after {failure()}. The job cannot go on from there: end "
+                           "the script at that error on every rank (do not catch it and call partita again) and start "
+                           "the job again, from its last checkpoint (partita.elastic; partita run --max-restarts N "
+                           "restarts it by itself)")
     word = _digest(f"{int(state)} {rows} {where} {text}")
     extremes = torch.tensor([word, -word], dtype=torch.int64)
     return _Posted(state, rows, text, error, where, _calls, extremes,
@@ -199,6 +215,86 @@ def any_rank_says(where: str, flag: bool) -> bool:
     if why is not None:
         raise PartitaError(why)
     return any(s.rows for s in said)
+
+
+_tellers: list[Callable[[str, bool], None]] = []
+
+
+def tell_failures_with(hook: Callable[[str, bool], None]) -> None:
+    """Run `hook(message, raised)` when this rank fails in a step (`failing`: `raised` false until the end of the
+    run raises it) or raises a failure there (`end_of_pipeline`, `failed_alone`): the API registers the launcher's
+    way of telling ranks that may be held in a collective the failing rank never joins (FSDP's, inside a stage's
+    compute), which no statement reaches."""
+    if hook not in _tellers:
+        _tellers.append(hook)
+
+
+def _tell(message: str, raised: bool) -> None:
+    for hook in _tellers:
+        hook(message, raised)
+
+
+def failing(problem: Exception, failed_while: str) -> None:
+    """This rank's stage raised `problem` while `failed_while`, in a run of a pipeline: tell it at once (see
+    `tell_failures_with`); the run ends in `end_of_pipeline`."""
+    if not _single():
+        rank = dist.get_rank()
+        _tell(f"rank {rank} failed while {failed_while}: {RankError.of(rank, problem).message}", False)
+
+
+def failure() -> str | None:
+    """The error after which this process may join no collective call of partita any more, if one ended a step
+    mid-way (`end_of_pipeline`, `failed_alone`)."""
+    group, why = _failed_in
+    return why if why and group is dist.group.WORLD else None
+
+
+def _fail(why: str) -> None:
+    global _failed_in
+    if failure() is None:
+        _failed_in = (dist.group.WORLD, why)
+
+
+def failed_alone(problem: BaseException) -> None:
+    """This rank's call of the model raised `problem` in its own computation, after the call's agreement: the
+    other ranks go on to the collectives after it (a backward's sums of gradients) and wait there for this one,
+    which must join no other collective call (it would meet theirs: gloo aborts on collectives of different
+    sizes), and refuses to."""
+    if not _single():
+        _fail(f"its own error in its call {_calls} of the model ({describe(problem)}), which the other ranks did not "
+              "have: they went on to the collectives after the call and wait there for this rank")
+        _tell(f"rank {dist.get_rank()}'s call {_calls} of the model raised on that rank alone: {describe(problem)}",
+              True)
+
+
+def end_of_pipeline(problem: Exception | None, failed_while: str = "", step: int = 0) -> None:
+    """At the end of every run of a pipeline's steps, on every rank of the job: whether a rank failed in it
+    (`problem`, while `failed_while`, in time step `step`). A rank whose stage raised went on sending its
+    messages, zeros, so that no rank waits for it; the ranks after it computed on them, and may have failed
+    because of them, in a later step. Every rank raises the same error: the earliest step's failure (the
+    lowest rank's among those of one step), naming its rank and what it ran. The step's gradients are lost and
+    the ranks' groups may hold collectives only some ranks started: the job cannot go on, and any later
+    collective call of partita in the process refuses (`_post`)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = None
+    if problem is not None:
+        sent = RankError.of(rank, problem)
+        mine = RankError(rank, sent.kind, f"rank {rank} failed while {failed_while}: {sent.message}")
+    if _single():
+        if mine is not None:
+            raise mine.error(named=False) from problem
+        return
+    said = _exchange(State.FAILING if mine else State.CALLING, step if mine else 0, mine.message if mine else "",
+                     mine, PIPELINE_END)
+    why = _elsewhere(said, rank)
+    if why is not None:
+        raise PartitaError(why) from problem
+    failed = [(s.rows, s.error.rank, s.error) for s in said if s.error is not None]
+    if failed:
+        first = min(failed, key=lambda f: f[:2])[2]
+        _fail(f"the error every rank raised in its call {_calls} of the model ({first.message})")
+        _tell(first.message, True)
+        raise first.error(named=False) from problem
 
 
 def at_barrier() -> None:
@@ -361,6 +457,9 @@ def leave() -> bool:
     an error naming this rank; this one logs it and must not wait for them in a barrier)."""
     if _single():
         return True
+    if failure() is not None:  # the ranks' groups may hold collectives only some ranks started
+        log.error("partita: rank %d leaves after %s", dist.get_rank(), failure())
+        return False
     said = _exchange(State.LEAVING, 0, "leaving", where=SHUTDOWN)
     why = _elsewhere(said, dist.get_rank()) or _left_early(said, dist.get_rank())
     if why is not None:

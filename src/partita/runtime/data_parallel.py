@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from partita.capture.export import CapturedGraph
 from partita.plan.plan import Plan
+from partita.runtime import agreement
 from partita.runtime.groups import MadeGroups
 from partita.runtime.batch import Call, Loss, checked_loss, global_loss, rows_combination
 from partita.runtime.ownership import Ownership
@@ -56,12 +57,16 @@ class DataParallel(Runtime):
             args, kwargs = torch.utils._pytree.tree_map_only(
                 torch.Tensor, lambda t: _GradientTimes.apply(t, 1.0 / self.world_size) if t.requires_grad else t,
                 (args, kwargs))
-        with autocast(self.plan.precision, self.device):
-            out = self.ddp(*args, **kwargs)
-            # under autocast too, as a one-process loop computes it (precision.py)
-            value = self.loss.fn(out, call.target) if self.loss is not None else None
-            check = self.loss is not None and not self.loss.checked and self.world_size > 1
-            found = rows_combination(self.loss.fn, out, call.target, value) if check else None
+        try:
+            with autocast(self.plan.precision, self.device):
+                out = self.ddp(*args, **kwargs)
+                # under autocast too, as a one-process loop computes it (precision.py)
+                value = self.loss.fn(out, call.target) if self.loss is not None else None
+                check = self.loss is not None and not self.loss.checked and self.world_size > 1
+                found = rows_combination(self.loss.fn, out, call.target, value) if check else None
+        except Exception as e:
+            agreement.failed_alone(e)
+            raise
         rows = call.rows
         if check:
             self.loss = checked_loss(self.loss, found, self.device)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from partita.capture.shapes import meta_like
 from partita.capture.split import StageGraph
 from partita.plan.plan import Plan
 from partita.errors import InternalError
+from partita.runtime import agreement
 from partita.runtime.fully_sharded import ShardedUnits
 from partita.runtime.grads import GradSync
 from partita.runtime.outputs import own_tensors
@@ -61,6 +63,7 @@ class RecordingStage(VersionedStage):
     def __init__(self, *args, executed: list[Action], gathered_for_step: list, grads: GradSync,
                  whole_backward: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.output_args = kwargs["output_args"]  # meta tensors: the shapes and dtypes of what it sends on
         self.executed = executed
         self.gathered_for_step = gathered_for_step
         self.grads = grads
@@ -182,6 +185,7 @@ class Pipeline:
         self.has_backward = has_backward
         self.loss_fn = loss_fn
         self._prepared = False
+        self._in_loss = False  # computing the loss of the last stage's outputs
         self.forwards_run = 0  # calls of `forward`: a later one replaces the activations an earlier one kept
 
     @functools.cached_property
@@ -238,19 +242,59 @@ class Pipeline:
                 stage.clear_runtime_states()
             self.executed.clear()
         posted, kept = _Posted(), {}
+        failed: _Failed | None = None
+        self._in_loss = False
         for step in steps:
-            sends = [] if step.action is None else \
-                self._compute(step, micro_batches, targets, losses, outputs, kept, posted)
+            sends = []
+            if step.action is not None and failed is None:
+                if self._receives_input(step.action):
+                    posted.wait_for(step.action)  # an error here is the messages': the protocol itself broke
+                try:
+                    sends = self._compute(step, micro_batches, targets, losses, outputs, kept)
+                except Exception as e:  # noqa: BLE001 - every kind must reach the other ranks
+                    failed = _Failed(step.step, step.action, e, self._in_loss)
+                    agreement.failing(e, failed.while_running())
+            if failed is not None and step.action is not None:
+                sends = self._stand_in_sends(step)
             receives = [op for a in step.receives for op in (
                 self.by_index[a.stage].get_fwd_recv_ops(a.micro_batch) if a.op == FORWARD
                 else self.by_index[a.stage].get_bwd_recv_ops(a.micro_batch))]
             posted.post(step, sends + receives)
         posted.wait_all()
+        # every rank of the job hears whether any failed, and raises the same error where one did
+        if failed is None:
+            agreement.end_of_pipeline(None)
+        else:
+            agreement.end_of_pipeline(failed.problem, failed.while_running(), failed.step)
 
-    def _compute(self, step: Exchange, micro_batches, targets, losses, outputs, kept: dict,
-                 posted: "_Posted") -> list[dist.P2POp]:
+    def _receives_input(self, action: Action) -> bool:
+        """Whether `action`'s input comes in a message (rather than from the micro-batch, the loss, a stage on this
+        rank or its own input half)."""
+        stage = self.by_index[action.stage]
+        if action.op == FORWARD:
+            return not stage.is_first and action.stage - 1 not in self.by_index
+        if action.op == BACKWARD_WEIGHT:
+            return False
+        return not stage.is_last and action.stage + 1 not in self.by_index
+
+    def _stand_in_sends(self, step: Exchange) -> list[dist.P2POp]:
+        """After this rank failed, the messages it owes its peers in `step`, filled with zeros: they wait for
+        them in this step's group, and learn at the end of the run that the run failed (`_run`)."""
+        if step.sends_to is None:
+            return []
+        action = step.action
+        stage = self.by_index[action.stage]
+        if action.op == FORWARD:
+            zeros = tuple(torch.zeros(m.shape, dtype=m.dtype, device=stage.device) for m in stage.output_args)
+            stage.fwd_cache[action.micro_batch] = (zeros, [])
+            return stage.get_fwd_send_ops(action.micro_batch)
+        # torch's stage sends zeros for an input's gradient that is None, in the gradient's shape
+        stage.bwd_cache[action.micro_batch] = (None,) * len(stage.args_recv_info[0])
+        return stage.get_bwd_send_ops(action.micro_batch)
+
+    def _compute(self, step: Exchange, micro_batches, targets, losses, outputs, kept: dict) -> list[dist.P2POp]:
         """Run `step`'s action, its input taken from the first stage's micro-batch, the stage before it on this
-        rank, or the messages received; the messages that send its output on."""
+        rank, or the messages received (waited for before); the messages that send its output on."""
         action = step.action
         stage, mb = self.by_index[action.stage], action.micro_batch
         if action.op == FORWARD:
@@ -259,14 +303,14 @@ class Pipeline:
                 args = micro_batches[mb]
             elif action.stage - 1 in self.by_index:
                 stage.set_local_fwd_input(kept.pop((action.stage - 1, mb)), mb)
-            else:
-                posted.wait_for(action)
             out = stage.forward_one_chunk(mb, args, {}, save_forward_output=False)  # torch 2.11: {}, not None
             if stage.is_last:
                 if outputs is not None:
                     outputs[mb] = out if isinstance(out, tuple) else (out,)
                 if targets is not None:
+                    self._in_loss = True  # what a failure names (`_Failed`)
                     losses[mb] = self.loss_fn(out, targets[mb])
+                    self._in_loss = False
                 return []
             if step.sends_to is None:
                 kept[(action.stage, mb)] = out
@@ -280,12 +324,30 @@ class Pipeline:
             loss = losses[mb]
         elif action.stage + 1 in self.by_index:
             stage.set_local_bwd_input(self.by_index[action.stage + 1].get_local_bwd_output(mb), mb)
-        else:
-            posted.wait_for(action)
         whole = action.op == FULL_BACKWARD
         stage.backward_one_chunk(mb, loss=loss, full_backward=whole,
                                  last_backward=whole and self.last_backward[action.stage] == mb)
         return stage.get_bwd_send_ops(mb) if step.sends_to is not None else []
+
+
+_OPS = {FORWARD: "forward", FULL_BACKWARD: "backward", BACKWARD_INPUT: "backward (its input gradients)",
+        BACKWARD_WEIGHT: "backward (its weight gradients)"}
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """The action of this rank that raised, in time step `step` of the run."""
+
+    step: int
+    action: Action
+    problem: Exception
+    in_loss: bool  # in loss_fn, on the last stage's outputs
+
+    def while_running(self) -> str:
+        a = self.action
+        if self.in_loss:
+            return f"computing loss_fn on the outputs of stage {a.stage} (the last) for micro-batch {a.micro_batch}"
+        return f"running stage {a.stage}'s {_OPS[a.op]} of micro-batch {a.micro_batch}"
 
 
 class _Received:
