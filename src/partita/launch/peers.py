@@ -124,9 +124,10 @@ def pid_of(rank: int) -> int | None:
     return _neighbours.get(rank)
 
 
-def stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped (by SIGSTOP or its debugger)."""
-    return _state(pid) == "is stopped"
+def stopped_by_signal(pid: int) -> bool:
+    """Whether process `pid` is stopped by SIGSTOP (or SIGTSTP, SIGTTIN, SIGTTOU), not by a debugger (state t)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] == "T"
 
 
 def _state(pid: int) -> str | None:

@@ -7,7 +7,8 @@ ranks (rank - 1 and rank + 1: the store's load grows with the ranks, not their s
 from its thread whatever its main thread does: a long step (torch's kernels release the GIL, and Python code
 lets the thread run every 5 ms), a wait in a collective. A neighbour whose count has not moved for SILENT_S is
 stopped or frozen: the thread names it on stderr, kills it with SIGKILL when it is a stopped process of this
-machine (such a process acts on no other signal, so its launcher would wait for it in vain), and ends this rank
+machine (such a process acts on no other signal, so its launcher would wait for it in vain; a silent neighbour of
+this machine that is not stopped by a signal lives, held in C code or a debugger, and is left to the timeouts), and ends this rank
 with exit status 1, so that the launcher (`partita run`, torchrun) ends the job, or restarts it. A rank that
 leaves (`partita.shutdown()`, or the end of its process) says so first, and is not waited for.
 
@@ -115,9 +116,16 @@ def _watch(store: dist.Store, rank: int, world_size: int, server: int | None, st
             if server is not None and server != rank and now - reached > SILENT_S and not stop.is_set():
                 _end(rank, [server], now - reached, "serves the job's store, which")
             continue
-        silent = [r for r in watched if now - heard[r][1] > SILENT_S]
+        # a neighbour on this machine that is not stopped lives (a C call holding the GIL, a debugger): its
+        # collectives time out by themselves if it never comes back
+        silent = [r for r in watched if now - heard[r][1] > SILENT_S and _stopped_or_elsewhere(r)]
         if silent and not stop.is_set():
             _end(rank, silent, max(now - heard[r][1] for r in silent), "")
+
+
+def _stopped_or_elsewhere(rank: int) -> bool:
+    pid = peers.pid_of(rank)
+    return pid is None or peers.stopped_by_signal(pid)
 
 
 def _end_after_failure(rank: int, message: str) -> None:
@@ -133,7 +141,7 @@ def _end(rank: int, silent: list[int], seconds: float, serving: str) -> None:
     named = []
     for r in silent:
         pid = peers.pid_of(r)
-        if pid is not None and peers.stopped(pid):
+        if pid is not None and peers.stopped_by_signal(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
                 named.append(f"rank {r} (process {pid} on this machine, stopped: killed it with SIGKILL)")
