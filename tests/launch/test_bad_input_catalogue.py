@@ -52,6 +52,19 @@ CATALOGUE = [
     Case("checkpoint_truncated", 1, "CheckpointError: "),
     Case("checkpoint_crafted_metadata", 1, "CheckpointError: "),
     Case("checkpoint_of_another_model", 1, "CheckpointError: "),
+    Case("zero_rows_data_parallel", 0, "equal"),
+    Case("live_job_checkpoint_dir", 1, "is in use by another job"),
+    Case("module_state_dict_two_stages", 1, "model.module.state_dict() on rank 0"),
+    Case("module_state_dict_zero3", 1, "model.module.state_dict() on rank 0"),
+    Case("checkpoint_checksums_dev_zero", 1, "names /dev/zero, which is not a file of the checkpoint"),
+    Case("checkpoint_checksums_fifo", 1, "queue is not a regular file"),
+    Case("checkpoint_checksums_removed", 1, "has no checksums"),
+    Case("unused_parameter_data_parallel", 0, "equal"),
+    Case("bad_safetensors_header", 1, "weights.safetensors"),
+    Case("uneven_rows_zero3", 1, "sharding=\"parameters\""),
+    Case("uneven_rows_micro_batches", 1, "2 micro-batches"),
+    Case("zero_rows_first_batch", 1, "BatchError: rank 0 passes 0 rows"),
+    Case("optimizer_of_another_model", 1, "PlanError: none of the optimizer's"),
 ]
 
 

@@ -44,6 +44,9 @@ def global_loss(value: torch.Tensor, reduction: str, rows: tuple[int, ...]) -> t
         return value
     rank = dist.get_rank()
     uneven = len(set(rows)) > 1
+    if rows[rank] == 0 and reduction == "mean":
+        # a mean over no rows is NaN, and NaN x 0 stays NaN: this rank adds nothing to the global batch's loss
+        value = value.nan_to_num(0.0)
     total = value.detach().clone()
     if reduction == "mean" and uneven:
         total = total * rows[rank]
