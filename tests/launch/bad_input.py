@@ -110,7 +110,9 @@ def load_damaged_checkpoint(kind: str, rank: int) -> None:
         other = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 1))
         model = partita.parallelize(other, torch.optim.Adam(other.parameters()), loss_fn=nn.MSELoss(), stages=1)
         model(*batch(8))
-    partita.load(model, opt if kind != "of_another_model" else None, root)
+    # a crafted manifest makes its checkpoint unreadable, and the root's latest the one before: load it by name
+    target = os.path.join(root, "step-000002") if kind.startswith("checksums_") else root
+    partita.load(model, opt if kind != "of_another_model" else None, target)
 
 
 class DetachedBranch(nn.Module):
@@ -287,6 +289,21 @@ def main() -> None:
     elif CASE == "optimizer_of_another_model":
         other = mlp()
         partita.parallelize(mlp(), torch.optim.SGD(other.parameters(), lr=0.1), loss_fn=mse)
+    elif CASE == "shared_checkpoint_dir":  # two jobs at once, on one directory: each notes its end in DIR
+        try:
+            net = mlp()
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            model = partita.parallelize(net, opt, loss_fn=mse)
+            job = partita.elastic(model, opt, os.path.join(DIR, "ckpt"), save_every=1)
+            for step in job.steps(3):
+                model(*batch(8, seed=step)).backward()
+                opt.step()
+                opt.zero_grad()
+            while rank == 0 and len(os.listdir(os.path.join(DIR, "ended"))) < 1:
+                time.sleep(0.1)  # the other job ends first: it had its chance at the directory while this one ran
+        finally:
+            if rank == 0:
+                open(os.path.join(DIR, "ended", str(os.getpid())), "w").close()
     else:
         raise KeyError(CASE)
     partita.shutdown()

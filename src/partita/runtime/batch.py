@@ -32,6 +32,17 @@ def local_rows(tensors: list[torch.Tensor]) -> int:
     return rows.pop() if rows else 0
 
 
+def check_first_rows(rows: tuple[int, ...]) -> None:
+    """The model's first call, which partita captures and plans from, has rows on every rank (`rows`: each rank's)."""
+    empty = [r for r, n in enumerate(rows) if n == 0]
+    if empty:
+        who = f"rank {empty[0]} passes" if len(empty) == 1 else f"ranks {', '.join(map(str, empty))} pass"
+        raise BatchError(f"{who} 0 rows at the model's first call: partita captures the model's graph and plans its "
+                         "layout from the first call, and an empty batch shows neither. Make the first call with at "
+                         "least one row on every rank; a later call of a data-parallel plan may pass 0 rows on a rank "
+                         "(a last short batch)")
+
+
 def global_loss(value: torch.Tensor, reduction: str, rows: tuple[int, ...]) -> torch.Tensor:
     """The global batch's loss from each rank's `value` (a mean over its `rows[rank]` rows, or a sum), the same
     on every rank, with a gradient such that DDP's average of the ranks' gradients is the global batch's.
