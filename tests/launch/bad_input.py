@@ -152,15 +152,15 @@ def train_on_rows(rank: int, mine: slice, net: nn.Module, steps: int = 1, **opti
 
 
 def hold_checkpoint_dir(root: str) -> subprocess.Popen:
-    """Another job (one process, its own) that saved into `root` and goes on running until DIR/release exists."""
+    """Another job (one process, its own) that saved into `root` and goes on running until DIR/release exists or
+    this process ends."""
     keep = ("PATH", "PYTHONPATH", "OMP_NUM_THREADS", "PARTITA_CACHE_DIR", "PARTITA_PROFILE", "HOME")
     code = ("import os, sys, time, torch, partita\n"
             "net = torch.nn.Linear(8, 1)\n"
             "partita.save(net, torch.optim.SGD(net.parameters(), lr=0.5), sys.argv[1], step=5)\n"
-            "deadline = time.time() + 90\n"
-            "while not os.path.exists(sys.argv[2]) and time.time() < deadline:\n"
+            "while not os.path.exists(sys.argv[2]) and os.getppid() == int(sys.argv[3]):\n"
             "    time.sleep(0.1)\n")
-    holder = subprocess.Popen([sys.executable, "-c", code, root, os.path.join(DIR, "release")],
+    holder = subprocess.Popen([sys.executable, "-c", code, root, os.path.join(DIR, "release"), str(os.getpid())],
                               env={k: v for k, v in os.environ.items() if k in keep})
     while not os.path.exists(os.path.join(root, "latest")):
         if holder.poll() is not None:
@@ -256,10 +256,9 @@ def main() -> None:
             net = mlp()
             opt = torch.optim.SGD(net.parameters(), lr=0.1)
             partita.elastic(partita.parallelize(net, opt, loss_fn=mse), opt, root)
-        finally:
+        finally:  # the holder ends by itself: waiting for it here, rank 0 could be stopped before saying why
             if holder is not None:
                 open(os.path.join(DIR, "release"), "w").close()
-                holder.wait(timeout=60)
     elif CASE in ("module_state_dict_two_stages", "module_state_dict_zero3"):  # DDP's saving idiom
         options = {"stages": 2} if CASE.endswith("two_stages") else {"stages": 1, "sharding": "parameters"}
         model = partita.parallelize(mlp(), loss_fn=mse, **options)
