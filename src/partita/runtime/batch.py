@@ -33,14 +33,12 @@ def local_rows(tensors: list[torch.Tensor]) -> int:
 
 
 def check_first_rows(rows: tuple[int, ...]) -> None:
-    """The model's first call, which partita captures and plans from, has rows on every rank (`rows`: each rank's)."""
-    empty = [r for r, n in enumerate(rows) if n == 0]
-    if empty:
-        who = f"rank {empty[0]} passes" if len(empty) == 1 else f"ranks {', '.join(map(str, empty))} pass"
-        raise BatchError(f"{who} 0 rows at the model's first call: partita captures the model's graph and plans its "
-                         "layout from the first call, and an empty batch shows neither. Make the first call with at "
-                         "least one row on every rank; a later call of a data-parallel plan may pass 0 rows on a rank "
-                         "(a last short batch)")
+    """The model's first call, which partita captures and plans from, has rows (`rows`: each rank's)."""
+    if not sum(rows):
+        raise BatchError(f"the model's first call has 0 rows on every rank ({len(rows)}): partita plans the layout for "
+                         "the first call's global batch, and an empty one has nothing to split into micro-batches "
+                         "or weigh. Make the first call with a batch of rows; a later call may pass 0 rows on some "
+                         "ranks under a data-parallel plan (a last short batch)")
 
 
 def global_loss(value: torch.Tensor, reduction: str, rows: tuple[int, ...]) -> torch.Tensor:
