@@ -64,7 +64,7 @@ CATALOGUE = [
     Case("checkpoint_checksums_fifo", 1, "records a checksum of queue, which is not one of its files"),
     Case("checkpoint_checksums_removed", 1, "has no checksums"),
     Case("unused_parameter_data_parallel", 0, "equal"),
-    Case("bad_safetensors_header", 1, "weights.safetensors"),
+    Case("bad_safetensors_header", 1, "weights.safetensors'): ranks 0, 1: "),
     Case("uneven_rows_zero3", 1, "(1 stage x 2 replicas, sharding=\"parameters\")"),
     Case("uneven_rows_micro_batches", 1, "(1 stage x 2 replicas, 2 micro-batches)"),
     Case("zero_rows_first_batch", 1, "BatchError: the model's first call has 0 rows on every rank (2)"),

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 import partita
 from partita.checkpoint import checksums, export
 from partita.checkpoint.manifest import read_manifest
+from partita.checkpoint.owner import JOB_LOCK
 from partita.cli.main import main as cli
 from partita.errors import CheckpointError
 from support.checkpoint_cases import trained
@@ -176,8 +177,8 @@ def test_elastic_resumes_from_the_newest_checkpoint_that_verifies_and_keeps_the_
     assert f"kept {tmp_path / 'step-000006'}, which could not be resumed from, as {aside[0]}" in said, said
     for _ in job.steps(8):  # saves steps 6 and 8 (keep=3): the one set aside is neither replaced nor counted
         pass
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["latest", aside[0].name, "step-000004", "step-000006",
-                                                                 "step-000008"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([JOB_LOCK, "latest", aside[0].name, "step-000004",
+                                                                 "step-000006", "step-000008"])
     assert (aside[0] / "__0_0.distcp").read_bytes() == damaged
 
 

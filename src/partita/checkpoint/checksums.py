@@ -111,12 +111,14 @@ def check(directory: Path, manifest: Manifest, data_files, *, rank: int = 0, wor
             log.warning("%s has no checksums: its files are loaded unverified (PARTITA_UNVERIFIED_CHECKPOINTS=on)",
                         directory)
         return
+    # .metadata first, on every rank (it is small): the files it names are those whose checksums count
+    verify(directory, manifest, [METADATA] if METADATA in manifest.checksums else [])
     others = sorted(set(manifest.checksums) - set(data_files) - {METADATA})
-    if others:
+    if others:  # read none of them: a crafted name may be a FIFO, whose reading would wait forever
         raise CheckpointError(f"{directory} was tampered with: its {MANIFEST} records a checksum of {others[0]}, "
                               f"which is not one of its files (those {METADATA} names, and {METADATA}). "
                               f"{_previous(directory)}")
-    verify(directory, manifest, share(manifest.checksums, rank, world_size))
+    verify(directory, manifest, share(set(manifest.checksums) - {METADATA}, rank, world_size))
     unrecorded = sorted(set(data_files) - set(manifest.checksums))
     if unrecorded:
         raise CheckpointError(f"{directory} is damaged or was tampered with: its data file {unrecorded[0]} has no "
