@@ -100,12 +100,15 @@ class DataParallel(Runtime):
         the loss) in this call's autograd graph: a value that reaches the outputs only detached, or through an
         argmax. The captured graph reads it, but DDP, waiting for its gradient, would never finish the backward's
         reduction (the previous step's gradients left unsummed, then torch's advice of an option partita sets)."""
-        with self._undone(), autocast(self.plan.precision, self.device):
-            out = self.module(*call.args, **call.kwargs)
-            value = self.loss.fn(out, call.target) if self.loss is not None else out
-            reached = _reached_parameters(_requiring_grad(value))
-        unreached = torch.tensor([float(any(p.requires_grad and id(p) not in reached for p in self._params))],
-                                 device=self.device)
+        try:
+            with self._undone(), autocast(self.plan.precision, self.device):
+                out = self.module(*call.args, **call.kwargs)
+                value = self.loss.fn(out, call.target) if self.loss is not None else out
+                reached = _reached_parameters(_requiring_grad(value))
+            found = any(p.requires_grad and id(p) not in reached for p in self._params)
+        except Exception:  # noqa: BLE001 - the call itself raises it, on every rank where it fails; here it tells nothing
+            found = False
+        unreached = torch.tensor([float(found)], device=self.device)
         dist.all_reduce(unreached, op=dist.ReduceOp.MAX)
         return bool(unreached.item())
 
