@@ -122,9 +122,10 @@ def test_two_jobs_on_one_checkpoint_directory_one_is_refused(tmp_path):
     """Two jobs started together against one directory: the first to save or resume holds it until it ends; the
     other is refused on every rank, naming the directory and the holder (job), and its checkpoints replace none."""
     (tmp_path / "ended").mkdir()
-    procs = [subprocess.Popen([str(BIN / "partita"), "run", "-n", "2", "--quiet", "--log-dir", str(tmp_path / f"logs{k}"),
-                               SCRIPT, "shared_checkpoint_dir", str(tmp_path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env(PARTITA_PROFILE="estimate")) for k in range(2)]
+    procs = [subprocess.Popen([str(BIN / "partita"), "run", "-n", "2", "--quiet", "--log-dir",
+                               str(tmp_path / f"logs{k}"), SCRIPT, "shared_checkpoint_dir", str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env(PARTITA_PROFILE="estimate")) for k in range(2)]
     ends = [subprocess.CompletedProcess(p.args, p.wait(timeout=180), *p.communicate()) for p in procs]
     assert sorted(e.returncode for e in ends) == [0, 1], "\n".join(map(output, ends))
     refused = next(k for k, e in enumerate(ends) if e.returncode)

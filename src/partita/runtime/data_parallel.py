@@ -106,7 +106,7 @@ class DataParallel(Runtime):
                 value = self.loss.fn(out, call.target) if self.loss is not None else out
                 reached = _reached_parameters(_requiring_grad(value))
             found = any(p.requires_grad and id(p) not in reached for p in self._params)
-        except Exception:  # noqa: BLE001 - the call itself raises it, on every rank where it fails; here it tells nothing
+        except Exception:  # noqa: BLE001 - the call itself raises it where it fails; here it tells nothing
             found = False
         unreached = torch.tensor([float(found)], device=self.device)
         dist.all_reduce(unreached, op=dist.ReduceOp.MAX)
