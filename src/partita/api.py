@@ -18,7 +18,9 @@ from torch import nn
 from partita.capture.dtypes import InputDtype, dtype_problem, input_dtypes
 from partita.capture.export import CallSignature, CapturedGraph, Modes, capture, flatten_call, misplaced
 from partita.capture.model_graph import model_graph
+from partita.checkpoint.collective import together
 from partita.checkpoint.loading import load_optimizer_state
+from partita.checkpoint.owner import release_all as release_checkpoint_dirs
 from partita.checkpoint.relayout import relayout
 from partita.checkpoint.weights import model_weights
 from partita.errors import BatchError, PlanError
@@ -30,11 +32,12 @@ from partita.plan.plan import check_sharding
 from partita.planning import (Planned, PlanRequest, agreed_graph, agreed_plan, agreed_switch, review_step,
                               review_switch)
 from partita.runtime import agreement
-from partita.runtime.batch import Call, local_rows, loss_of, sizes_beyond_batch, split_target
+from partita.runtime.batch import Call, check_first_rows, local_rows, loss_of, sizes_beyond_batch, split_target
 from partita.runtime.build import build_runtime
 from partita.runtime.materialize import Initial, InitFn, check_devices, initial_of, loaded_weights
+from partita.runtime.optim import check_optimizer_params
 from partita.runtime.precision import SCALED, check_precision
-from partita.runtime.run import Held, Runtime, as_trained
+from partita.runtime.run import Held, Runtime, as_trained, refuse_partial_state_dict
 from partita.runtime.step_clock import Mark, StepClock, mark
 from partita.sim import Trace
 
@@ -48,6 +51,7 @@ class ParallelModule(nn.Module):
                  constraints: Constraints, plan: Plan | str | Path | None, initial: Initial):
         super().__init__()
         self.module = model
+        model.register_state_dict_pre_hook(refuse_partial_state_dict)
         self._optimizer = optimizer
         self._initial = initial
         self._loss = loss_of(loss_fn)
@@ -161,6 +165,7 @@ class ParallelModule(nn.Module):
     def _setup(self, call: Call) -> None:
         world = env.world()
         rows = call.rows  # every rank agrees on the call before the collectives of setting up
+        check_first_rows(rows)
         with agreement.together("capturing the model"), as_trained(self.module):
             check_devices(self.module, world.device)
             cap = capture(self.module, call.args, call.kwargs)
@@ -351,6 +356,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     if sharding is not None:
         check_sharding(sharding)
     check_precision(precision, world.device)
+    check_optimizer_params(optimizer, model)
     if precision in SCALED and optimizer is None:
         raise PlanError("precision='fp16' needs the optimizer passed to parallelize: partita divides the scaled "
                         "gradients in its step() and skips the step on every rank when they overflowed. Pass it "
@@ -364,5 +370,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     env.before_leaving(agreement.leave)
     env.before_barrier(agreement.at_barrier)
     agreement.tell_failures_with(watchdog.tell)  # ranks held in a collective the failing rank never joins
-    reader = model_weights(weights, model, strict=strict) if weights is not None else None
+    env.before_leaving(release_checkpoint_dirs)  # the job's checkpoint directories are free for another job then
+    # every rank reads the file's header: a rank that failed alone would leave the others a reset connection
+    reader = together(lambda: model_weights(weights, model, strict=strict), f"parallelize(weights={str(weights)!r})") \
+        if weights is not None else None
     return ParallelModule(model, optimizer, loss_fn, constraints, plan, initial_of(model, init_fn, reader))

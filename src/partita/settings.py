@@ -122,11 +122,17 @@ def switch_layout_enabled() -> bool:
     return _switch("PARTITA_SWITCH_LAYOUT")
 
 
-def _switch(name: str) -> bool:
-    """'on' (the default) or 'off'."""
+def unverified_checkpoints_allowed() -> bool:
+    """PARTITA_UNVERIFIED_CHECKPOINTS: 'off' (the default): a checkpoint whose manifest records no checksums is
+    refused; 'on': it loads unverified (checkpoints of partita before it recorded them)."""
+    return _switch("PARTITA_UNVERIFIED_CHECKPOINTS", default=False)
+
+
+def _switch(name: str, default: bool = True) -> bool:
+    """'on' or 'off'."""
     text = _raw(name)
     if text is None:
-        return True
+        return default
     switch = text.strip().lower()
     if switch not in ("on", "off"):
         raise _invalid(name, text)
@@ -174,12 +180,13 @@ _ALLOWED: dict[str, tuple[str, str]] = {
     "PARTITA_CACHE_DIR": ("a directory, or a path where one can be created", "/tmp/partita-cache"),
     "PARTITA_STOP_FILE": ("the path of a file (not a directory)", "/tmp/job.stop"),
     "PARTITA_RESUME_FILE": ("the path of a file (not a directory)", "/tmp/job.resume"),
+    "PARTITA_UNVERIFIED_CHECKPOINTS": ("'off' (the default) or 'on'", "on"),
 }
 READERS: dict[str, Callable[[], object]] = {
     "PARTITA_MEMORY_LIMIT": memory_limit, "PARTITA_PROFILE": profile_mode, "PARTITA_TIMEOUT_S": timeout_s,
     "PARTITA_LOG": log_enabled, "PARTITA_CACHE_DIR": cache_dir, "PARTITA_STOP_FILE": stop_file,
     "PARTITA_RESUME_FILE": resume_file, "PARTITA_OVERLAP": overlap_enabled,
-    "PARTITA_SWITCH_LAYOUT": switch_layout_enabled,
+    "PARTITA_SWITCH_LAYOUT": switch_layout_enabled, "PARTITA_UNVERIFIED_CHECKPOINTS": unverified_checkpoints_allowed,
 }
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import partita
-from partita.checkpoint import export, latest_checkpoint, layout
+from partita.checkpoint import export, latest_checkpoint, layout, owner
 from partita.checkpoint.unpickling import read_metadata
 
 CASE = "support.checkpoint_cases"
@@ -194,7 +194,8 @@ def test_keep_prunes_and_unfinished_saves_are_ignored_then_removed(pools, tmp_pa
     finally:
         lock.release()
     assert not unfinished.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000003", "step-000004", live.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [owner.JOB_LOCK, "latest", "step-000003", "step-000004",
+                                                          live.name]
     assert latest_checkpoint(tmp_path) == paths[-1] == str(tmp_path / "step-000004")
 
 

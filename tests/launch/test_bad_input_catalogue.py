@@ -30,6 +30,7 @@ class Case:
     name: str
     exit: int
     message: str  # printed by every rank
+    ranks: tuple[int, ...] = (0, 1)  # where only some ranks can know it (one rank's own call): those
 
 
 CATALOGUE = [
@@ -56,6 +57,22 @@ CATALOGUE = [
     Case("meta_parent_redraws_children", 0, "the __init__ of '(the model)' (RedrawsChildren) (calling normal_) draws "
                                             "or writes its submodules' tensors again after building them"),
     Case("weights_not_finite", 0, "1 of the tensors read hold NaN or infinite values: 2.weight"),
+    Case("zero_rows_data_parallel", 0, "equal"),
+    Case("live_job_checkpoint_dir", 1, "is in use by another job"),
+    # `if rank == 0: torch.save(model.module.state_dict(), path)`: rank 0 raises; rank 1 is told that rank 0 ended
+    Case("module_state_dict_two_stages", 1, "PartitaError: model.module.state_dict() on rank 0: this rank holds only "
+                                            "its part of the model", ranks=(0,)),
+    Case("module_state_dict_zero3", 1, "PartitaError: model.module.state_dict() on rank 0: this rank holds only its "
+                                       "part of the model", ranks=(0,)),
+    Case("checkpoint_checksums_dev_zero", 1, "checksums name /dev/zero, which is not a file of the checkpoint"),
+    Case("checkpoint_checksums_fifo", 1, "records a checksum of queue, which is not one of its files"),
+    Case("checkpoint_checksums_removed", 1, "has no checksums"),
+    Case("unused_parameter_data_parallel", 0, "equal"),
+    Case("bad_safetensors_header", 1, "weights.safetensors'): ranks 0, 1: "),
+    Case("uneven_rows_zero3", 1, "(1 stage x 2 replicas, sharding=\"parameters\")"),
+    Case("uneven_rows_micro_batches", 1, "(1 stage x 2 replicas, 2 micro-batches)"),
+    Case("zero_rows_first_batch", 1, "BatchError: the model's first call has 0 rows on every rank (2)"),
+    Case("optimizer_of_another_model", 1, "PlanError: none of the optimizer's"),
 ]
 
 
@@ -77,7 +94,7 @@ def test_catalogue(case, tmp_path):
     proc, took = run(case.name, tmp_path)
     assert proc.returncode == case.exit, output(proc)
     assert took < SECONDS, f"{case.name} took {took:.0f} s to end\n{output(proc)}"
-    for rank in range(2):
+    for rank in case.ranks:
         assert case.message in rank_output(tmp_path, rank), f"rank {rank}\n{rank_output(tmp_path, rank)}"
     if case.exit:
         assert "partita run: rank" in proc.stderr and "failed with exit code 1" in proc.stderr, output(proc)
@@ -103,3 +120,22 @@ def test_two_jobs_at_once_on_one_machine_both_train(tmp_path):
     for proc in ends:
         assert proc.returncode == 0, output(proc)
     assert time.monotonic() - start < 2 * SECONDS
+
+
+def test_two_jobs_on_one_checkpoint_directory_one_is_refused(tmp_path):
+    """Two jobs started together against one directory: the first to save or resume holds it until it ends; the
+    other is refused on every rank, naming the directory and the holder (job), and its checkpoints replace none."""
+    (tmp_path / "ended").mkdir()
+    procs = [subprocess.Popen([str(BIN / "partita"), "run", "-n", "2", "--quiet", "--log-dir",
+                               str(tmp_path / f"logs{k}"), SCRIPT, "shared_checkpoint_dir", str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env(PARTITA_PROFILE="estimate")) for k in range(2)]
+    ends = [subprocess.CompletedProcess(p.args, p.wait(timeout=180), *p.communicate()) for p in procs]
+    assert sorted(e.returncode for e in ends) == [0, 1], "\n".join(map(output, ends))
+    refused = next(k for k, e in enumerate(ends) if e.returncode)
+    for rank in range(2):
+        text = "".join(p.read_text() for p in (tmp_path / f"logs{refused}").glob(f"*/attempt_0/{rank}/stderr.log"))
+        assert f"{tmp_path / 'ckpt'} is in use by another job: process" in text and "(job torchrun " in text, text
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")) == \
+        ["step-000001", "step-000002", "step-000003"]
+

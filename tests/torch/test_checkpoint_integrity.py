@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import partita
 from partita.checkpoint import checksums, export
+from partita.checkpoint.manifest import read_manifest
+from partita.checkpoint.owner import JOB_LOCK
 from partita.cli.main import main as cli
 from partita.errors import CheckpointError
 from support.checkpoint_cases import trained
@@ -140,13 +142,18 @@ def test_a_changed_metadata_file_is_refused(two_saved):
         partita.load(trained()[0], None, latest)
 
 
-def test_checkpoints_saved_without_checksums_still_load_and_say_so_once(two_saved, partita_log):
+def test_checkpoints_without_checksums_are_refused_unless_allowed_and_then_say_so_once(two_saved, partita_log,
+                                                                                        monkeypatch):
     root, latest, model = two_saved
     for path in (latest, root / "step-000005"):
         manifest = json.loads((path / "manifest.json").read_text())
         del manifest["checksums"]
         (path / "manifest.json").write_text(json.dumps(manifest))
     fresh, opt = trained(seed=7)
+    with pytest.raises(CheckpointError, match=f"{latest} has no checksums in its manifest.json.*load it unverified "
+                                              "with PARTITA_UNVERIFIED_CHECKPOINTS=on"):
+        partita.load(fresh, opt, root)
+    monkeypatch.setenv("PARTITA_UNVERIFIED_CHECKPOINTS", "on")
     assert partita.load(fresh, opt, root).step == 6
     assert partita.load(fresh, opt, root / "step-000005").step == 5
     unverified = [r.getMessage() for r in partita_log.records if "checksum" in r.getMessage()]
@@ -170,8 +177,8 @@ def test_elastic_resumes_from_the_newest_checkpoint_that_verifies_and_keeps_the_
     assert f"kept {tmp_path / 'step-000006'}, which could not be resumed from, as {aside[0]}" in said, said
     for _ in job.steps(8):  # saves steps 6 and 8 (keep=3): the one set aside is neither replaced nor counted
         pass
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["latest", aside[0].name, "step-000004", "step-000006",
-                                                                 "step-000008"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([JOB_LOCK, "latest", aside[0].name, "step-000004",
+                                                                 "step-000006", "step-000008"])
     assert (aside[0] / "__0_0.distcp").read_bytes() == damaged
 
 
@@ -282,7 +289,9 @@ class RunsShell:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_a_refused_item_says_what_and_why_without_inviting_to_turn_the_protection_off(two_saved, tmp_path):
+def test_a_refused_item_says_what_and_why_without_inviting_to_turn_the_protection_off(two_saved, tmp_path,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("PARTITA_UNVERIFIED_CHECKPOINTS", "on")  # the forger's checkpoint passes the checksums' check
     root, latest, model = two_saved
     marker = tmp_path / "pwned"
     forged = root / "step-000007"
@@ -366,7 +375,8 @@ def forge_with_loss_scale(root: Path, latest: Path, model, value) -> Path:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("value", [{"scale": -1.0, "clean_steps": 0}, {"scale": 8.0, "clean_steps": 2000},
                                    {"scale": float("inf"), "clean_steps": 0}, {"scale": 8.0}, [8.0, 0]])
-def test_a_malformed_loss_scale_is_a_checkpoint_error(two_saved, value):
+def test_a_malformed_loss_scale_is_a_checkpoint_error(two_saved, value, monkeypatch):
+    monkeypatch.setenv("PARTITA_UNVERIFIED_CHECKPOINTS", "on")  # the forged checkpoint has no checksums
     root, latest, model = two_saved
     scaled = ScaledModel(CASES["tied_embedding"].make())
     with pytest.raises(CheckpointError, match="is malformed: its 'loss_scale' is .*, not a float16 loss scale"):
@@ -375,3 +385,31 @@ def test_a_malformed_loss_scale_is_a_checkpoint_error(two_saved, value):
     good = {"scale": 8.0, "clean_steps": 3}
     assert partita.load(scaled, None, forge_with_loss_scale(root, latest, model, good)).step == 7
     assert scaled.loaded == good
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo"])
+def test_a_manifest_naming_a_file_that_never_ends_is_refused_at_once(two_saved, kind):
+    """checksums naming /dev/zero (outside the checkpoint) or a FIFO in it: load and export used to read forever."""
+    root, latest, _ = two_saved
+    manifest = json.loads((latest / "manifest.json").read_text())
+    if kind == "device":
+        manifest["checksums"]["/dev/zero"] = "xxh3_64:0000000000000000"
+        expected = "checksums name /dev/zero, which is not a file of the checkpoint"
+    else:
+        os.mkfifo(latest / "queue")
+        manifest["checksums"]["queue"] = "xxh3_64:0000000000000000"
+        expected = "records a checksum of queue, which is not one of its files"
+    (latest / "manifest.json").write_text(json.dumps(manifest))
+    for attempt in (lambda: partita.load(trained()[0], None, latest), lambda: export(latest, root / "out.pt")):
+        with pytest.raises(CheckpointError, match=expected):
+            attempt()
+
+
+def test_a_data_file_that_is_not_a_regular_file_is_refused_at_once(two_saved):
+    """A link to a device in place of a file the checksums name: its checksum would never end."""
+    _, latest, _ = two_saved
+    (latest / ".metadata").rename(latest / "metadata.saved")
+    os.symlink("/dev/zero", latest / ".metadata")
+    with pytest.raises(CheckpointError, match=r"its \.metadata is not a regular file"):
+        checksums.verify(latest, read_manifest(latest), [".metadata"])
+

@@ -139,7 +139,7 @@ def test_an_unknown_variable_is_a_warning_naming_the_close_match(monkeypatch, ty
     assert settings.check() == [
         f"{typo} is set, but partita reads no such setting: did you mean {meant}? partita reads PARTITA_CACHE_DIR, "
         "PARTITA_LOG, PARTITA_MEMORY_LIMIT, PARTITA_OVERLAP, PARTITA_PROFILE, PARTITA_RESUME_FILE, PARTITA_STOP_FILE, "
-        "PARTITA_SWITCH_LAYOUT, PARTITA_TIMEOUT_S"]
+        "PARTITA_SWITCH_LAYOUT, PARTITA_TIMEOUT_S, PARTITA_UNVERIFIED_CHECKPOINTS"]
 
 
 def test_an_unknown_variable_like_no_setting_is_a_warning_without_a_guess(monkeypatch):
@@ -166,3 +166,13 @@ def test_the_command_warns_of_an_unknown_variable(monkeypatch, tmp_path, capsys)
     err = capsys.readouterr().err
     assert err.startswith("partita run: warning: PARTITA_PROFIL is set, but partita reads no such setting: did you "
                           "mean PARTITA_PROFILE? ")
+
+
+@pytest.mark.parametrize("text, allowed", [(None, False), ("off", False), ("on", True), (" ON ", True)])
+def test_unverified_checkpoints_are_refused_unless_switched_on(monkeypatch, text, allowed):
+    if text is None:
+        monkeypatch.delenv("PARTITA_UNVERIFIED_CHECKPOINTS", raising=False)
+    else:
+        monkeypatch.setenv("PARTITA_UNVERIFIED_CHECKPOINTS", text)
+    assert settings.unverified_checkpoints_allowed() is allowed
+

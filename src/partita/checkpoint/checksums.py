@@ -6,12 +6,15 @@ load the ranks share the files to check, so that checking costs one more read of
 per rank. The checksum is xxHash's XXH3-64: the standard library's zlib.crc32 (1.5-4 GB/s here) took 9-14% of a
 save of 4 ranks on 2 cores, XXH3 4-8 times less time, 2-5% (bench/checkpoint_time.py prints its share). Where
 xxhash is not installed (machines that cannot install packages) partita writes crc32 instead: each recorded
-checksum names its algorithm. Checkpoints saved before partita recorded checksums load unverified.
+checksum names its algorithm. A checkpoint without checksums (saved before partita recorded them) is refused unless
+PARTITA_UNVERIFIED_CHECKPOINTS=on.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import zlib
 from pathlib import Path
 
@@ -22,6 +25,8 @@ except ImportError:  # a machine that cannot install it: slower checksums, as go
 
 from partita.checkpoint.layout import previous_checkpoint
 from partita.checkpoint.manifest import MANIFEST, Manifest
+from partita.checkpoint.unpickling import METADATA
+from partita import settings
 from partita.errors import CheckpointError
 
 _BLOCK = 4 << 20  # bytes read at a time: few system calls, and the block stays in the CPU's cache
@@ -51,7 +56,12 @@ def file_checksum(path: Path, algorithm: str | None = None) -> str:
     digest = xxhash.xxh3_64() if algorithm == "xxh3_64" else _Crc32()
     block = bytearray(_BLOCK)
     view = memoryview(block)
-    with open(path, "rb", buffering=0) as f:
+    # without blocking: a FIFO named in a crafted manifest would wait for a writer; a device such as /dev/zero
+    # (through a link) would never end
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise CheckpointError(f"{path.parent} is damaged or was tampered with: its {path.name} is not a regular "
+                                  f"file, and a checkpoint holds only those. {_previous(path.parent)}")
         while n := f.readinto(block):
             digest.update(view[:n])
     return f"{algorithm}:{digest.hexdigest()}"
@@ -85,16 +95,30 @@ def verify(directory: Path, manifest: Manifest, names) -> None:
 
 def check(directory: Path, manifest: Manifest, data_files, *, rank: int = 0, world_size: int = 1) -> None:
     """Verify this rank's share of the checkpoint's files (every file in one process) against the checksums in
-    its manifest, and that each of `data_files` (the files DCP's metadata names) has one. A checkpoint saved
-    before partita recorded checksums loads unverified: rank 0 says so, once per process."""
+    its manifest, and that each of `data_files` (the files DCP's metadata names) has one and the manifest names no
+    other. A checkpoint without checksums (saved before partita recorded them, or with them removed) is refused,
+    unless PARTITA_UNVERIFIED_CHECKPOINTS=on: then it loads unverified, which rank 0 says once per process."""
     global _said_unverified
     if not manifest.checksums:
+        if not settings.unverified_checkpoints_allowed():
+            raise CheckpointError(
+                f"{directory} has no checksums in its {MANIFEST}, so nothing shows that its files are the ones "
+                "saved: partita.save records them in every checkpoint, and a manifest without them was written by a "
+                "partita before they were recorded, or edited since. Load another checkpoint, or, if you trust this "
+                "one, load it unverified with PARTITA_UNVERIFIED_CHECKPOINTS=on")
         if rank == 0 and not _said_unverified:
             _said_unverified = True
-            log.warning("%s has no checksums (saved by an earlier partita): its files are loaded unverified; "
-                        "checkpoints saved from now on are checked", directory)
+            log.warning("%s has no checksums: its files are loaded unverified (PARTITA_UNVERIFIED_CHECKPOINTS=on)",
+                        directory)
         return
-    verify(directory, manifest, share(manifest.checksums, rank, world_size))
+    # .metadata first, on every rank (it is small): the files it names are those whose checksums count
+    verify(directory, manifest, [METADATA] if METADATA in manifest.checksums else [])
+    others = sorted(set(manifest.checksums) - set(data_files) - {METADATA})
+    if others:  # read none of them: a crafted name may be a FIFO, whose reading would wait forever
+        raise CheckpointError(f"{directory} was tampered with: its {MANIFEST} records a checksum of {others[0]}, "
+                              f"which is not one of its files (those {METADATA} names, and {METADATA}). "
+                              f"{_previous(directory)}")
+    verify(directory, manifest, share(set(manifest.checksums) - {METADATA}, rank, world_size))
     unrecorded = sorted(set(data_files) - set(manifest.checksums))
     if unrecorded:
         raise CheckpointError(f"{directory} is damaged or was tampered with: its data file {unrecorded[0]} has no "

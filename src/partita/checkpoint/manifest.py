@@ -41,7 +41,7 @@ class Manifest:
     extra: dict = field(default_factory=dict)
     # file name -> "<algorithm>:<hex digest>" of its bytes (xxh3_64, or crc32 where xxhash is not installed), for
     # every file DCP wrote (.metadata included); empty in checkpoints saved before partita recorded them, which
-    # load unverified
+    # load only where PARTITA_UNVERIFIED_CHECKPOINTS=on
     checksums: dict[str, str] = field(default_factory=dict)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
@@ -105,6 +105,15 @@ def _check_types(data: dict) -> None:
     for name, fits in _FIELD_TYPES.items():
         if name in data and not fits(data[name]):
             raise ValueError(f"its {name} is {data[name]!r}, which is not what partita.save writes there")
+    for name in data.get("checksums", {}):
+        if not is_file_name(name):
+            raise ValueError(f"its checksums name {name}, which is not a file of the checkpoint (a name in its "
+                             "directory)")
+
+
+def is_file_name(name: str) -> bool:
+    """Whether `name` names an entry of a checkpoint's own directory (no path: nothing outside it is ever read)."""
+    return Path(name).name == name and name not in ("", ".", "..")
 
 
 def plan_summary(plan: dict) -> str:

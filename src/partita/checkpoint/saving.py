@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from partita.checkpoint import keys, layout, optimizer as optimizer_state, rng
+from partita.checkpoint import keys, layout, optimizer as optimizer_state, owner, rng
 from partita.checkpoint.checksums import checksums_of
 from partita.checkpoint.collective import dcp_step, every_rank, from_rank0, together
 from partita.checkpoint.holding import Holding, Partitioned, holding_of
@@ -38,7 +38,8 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     into a temporary directory and renamed into place when complete, then `path/latest` names it; unfinished
     saves never count, and the oldest checkpoints beyond the last `keep` are deleted. `path` must be on a
     filesystem every rank sees. A directory holds one training run: `keep` and `latest` count whichever job
-    saved there, but no save removes another's save in progress (`layout.remove_unfinished`).
+    saved there, but no save removes another's save in progress (`layout.remove_unfinished`), and the directory
+    belongs to the job that saves there until it ends: another job's save is refused (`owner.claim`).
 
     >>> import tempfile, torch, partita
     >>> net = torch.nn.Linear(4, 2)
@@ -169,6 +170,7 @@ def _local_state(model, optimizer, step, extra, keep) -> tuple[Holding, dict]:
 
 def _start(root: Path, step: int, lock: layout.SaveLock) -> Path:
     root.mkdir(parents=True, exist_ok=True)
+    owner.claim(root)
     layout.remove_unfinished(root)
     tmp = layout.temporary_dir(root, step)
     tmp.mkdir()

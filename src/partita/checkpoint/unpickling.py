@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import ReadItem
 
+from partita.checkpoint.manifest import is_file_name
 from partita.errors import CheckpointError
 
 METADATA = ".metadata"
@@ -170,7 +171,7 @@ def _check_data_files(directory: Path, metadata: Metadata) -> None:
     """Every item lies inside a file of this directory, and within that file's length."""
     ends: dict[str, int] = {}
     for info in metadata.storage_data.values():
-        if Path(info.relative_path).name != info.relative_path or info.relative_path in ("", ".", ".."):
+        if not is_file_name(info.relative_path):
             raise CheckpointError(f"{directory / METADATA} points outside the checkpoint ({info!r}); it was "
                                   "tampered with. Delete the checkpoint and load one you trust.")
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from partita import checkpoint, settings
-from partita.checkpoint import layout
+from partita.checkpoint import layout, owner
 from partita.checkpoint.collective import from_rank0, stop_asked_anywhere, together
 from partita.checkpoint.manifest import read_manifest
 from partita.elasticity.stop import RESUME_EXIT_CODE, StopRequest
@@ -61,6 +61,9 @@ class Elastic:
         try:
             # every rank finds the same problem; leaving together spares a rank still joining a reset connection
             self.local_batch = _local_batch(global_batch, world.world_size) if global_batch is not None else None
+            # before reading: a live job's checkpoints are its run, not this job's to resume
+            from_rank0(lambda: owner.claim(Path(self.path)), f"partita.elastic(path={self.path!r})")
+            env.before_leaving(owner.release_all)
             self._resume_from_newest_usable()
         except CheckpointError:
             self._leave()

@@ -32,6 +32,15 @@ def local_rows(tensors: list[torch.Tensor]) -> int:
     return rows.pop() if rows else 0
 
 
+def check_first_rows(rows: tuple[int, ...]) -> None:
+    """The model's first call, which partita captures and plans from, has rows (`rows`: each rank's)."""
+    if not sum(rows):
+        raise BatchError(f"the model's first call has 0 rows on every rank ({len(rows)}): partita plans the layout for "
+                         "the first call's global batch, and an empty one has nothing to split into micro-batches "
+                         "or weigh. Make the first call with a batch of rows; a later call may pass 0 rows on some "
+                         "ranks under a data-parallel plan (a last short batch)")
+
+
 def global_loss(value: torch.Tensor, reduction: str, rows: tuple[int, ...]) -> torch.Tensor:
     """The global batch's loss from each rank's `value` (a mean over its `rows[rank]` rows, or a sum), the same
     on every rank, with a gradient such that DDP's average of the ranks' gradients is the global batch's.
@@ -44,6 +53,9 @@ def global_loss(value: torch.Tensor, reduction: str, rows: tuple[int, ...]) -> t
         return value
     rank = dist.get_rank()
     uneven = len(set(rows)) > 1
+    if rows[rank] == 0 and reduction == "mean":
+        # a mean over no rows is NaN, and NaN x 0 stays NaN: this rank adds nothing to the global batch's loss
+        value = value.nan_to_num(0.0)
     total = value.detach().clone()
     if reduction == "mean" and uneven:
         total = total * rows[rank]

@@ -5,7 +5,10 @@ The loss is that of the global batch (`batch.global_loss`): each rank's mean wei
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -46,8 +49,9 @@ class DataParallel(Runtime):
             # a parameter was unfrozen (or frozen) since: a new DDP sums the gradients of those trained now; the
             # old one's hooks go with it. Every rank changes requires_grad at the same call, and DDP's making is
             # collective
+            unused = self.ddp.find_unused_parameters
             self._trained, self.ddp = _trained(self._params), None
-            self.ddp = _ddp(self.module, self.cap)
+            self.ddp = _ddp(self.module, self.cap, unused=unused)
         if self.agrees_before_forward:
             call.rows  # noqa: B018 - waits for the agreement of the call: DDP's forward broadcasts buffers
         args, kwargs = call.args, call.kwargs
@@ -84,22 +88,68 @@ class DataParallel(Runtime):
         order the gradients became ready. Settled here, every step of every process sums in the same buckets,
         the first step after a restart from a checkpoint included: resumed training then computes bit for bit
         what uninterrupted training would have."""
-        if not isinstance(self.ddp, DistributedDataParallel) or self.ddp.find_unused_parameters:
+        if not isinstance(self.ddp, DistributedDataParallel):
+            return
+        if not self.ddp.find_unused_parameters and self._unreached_anywhere(call):
+            self.ddp = _ddp(self.module, self.cap, unused=True)
+        if self.ddp.find_unused_parameters:
             return  # no re-bucketing then
+        with self._undone():
+            out = self.ddp(*call.args, **call.kwargs)
+            leaves = _requiring_grad(out)
+            if leaves:
+                (sum(t.sum() for t in leaves) * 0.0).backward()
+
+    def _unreached_anywhere(self, call: Call) -> bool:
+        """Whether, on any rank, a trained parameter has no path to the loss (to the outputs, where the user computes
+        the loss) in this call's autograd graph: a value that reaches the outputs only detached, or through an
+        argmax. The captured graph reads it, but DDP, waiting for its gradient, would never finish the backward's
+        reduction (the previous step's gradients left unsummed, then torch's advice of an option partita sets)."""
+        try:
+            with self._undone(), autocast(self.plan.precision, self.device):
+                out = self.module(*call.args, **call.kwargs)
+                value = self.loss.fn(out, call.target) if self.loss is not None else out
+                reached = _reached_parameters(_requiring_grad(value))
+            found = any(p.requires_grad and id(p) not in reached for p in self._params)
+        except Exception:  # noqa: BLE001 - the call itself raises it where it fails; here it tells nothing
+            found = False
+        unreached = torch.tensor([float(found)], device=self.device)
+        dist.all_reduce(unreached, op=dist.ReduceOp.MAX)
+        return bool(unreached.item())
+
+    @contextlib.contextmanager
+    def _undone(self):
+        """A throwaway run of the model: its gradients, buffers and random streams as they were after it."""
         grads = [(p, p.grad) for p in self.module.parameters()]
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), as_trained(self.module), torch.enable_grad():
-            out = self.ddp(*call.args, **call.kwargs)
-            leaves = [t for t in torch.utils._pytree.tree_leaves(out)
-                      if isinstance(t, torch.Tensor) and t.requires_grad]
-            if leaves:
-                (sum(t.sum() for t in leaves) * 0.0).backward()
+            yield
         with torch.no_grad():
             for p, grad in grads:
                 p.grad = grad
             for b, value in buffers:
                 b.copy_(value)
+
+
+def _requiring_grad(out) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _reached_parameters(roots: list[torch.Tensor]) -> set[int]:
+    """ids of the tensors whose gradients a backward from `roots` accumulates."""
+    reached, seen = set(), set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf's gradient
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return reached
 
 
 def _trained(params: list[nn.Parameter]) -> tuple[bool, ...]:
@@ -119,8 +169,11 @@ class _GradientTimes(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def _ddp(module: nn.Module, cap: CapturedGraph) -> DistributedDataParallel:
+def _ddp(module: nn.Module, cap: CapturedGraph, unused: bool = False) -> DistributedDataParallel:
+    """torch's DDP over `module`, finding the parameters without a gradient at each backward where some may have
+    none (`unused`: some had none in the first call's autograd graph, `DataParallel._unreached_anywhere`)."""
     used = {cap.fqn_of[n] for n in cap.parameters}
     # routing by value (a mixture of experts): eager code may skip an expert no row of this rank reaches
-    unused = cap.routes_by_value() or any(p.requires_grad and n not in used for n, p in module.named_parameters())
+    unused = unused or cap.routes_by_value() or any(p.requires_grad and n not in used
+                                                    for n, p in module.named_parameters())
     return DistributedDataParallel(module, find_unused_parameters=unused)

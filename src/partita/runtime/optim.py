@@ -6,6 +6,9 @@ import types
 
 import torch
 
+from partita.errors import PlanError
+from partita.runtime import agreement
+
 
 def optimizer_state_factor(optimizer: torch.optim.Optimizer | None) -> float:
     """Copies of the parameters the optimizer keeps as state (Adam: 2, SGD with momentum: 1, SGD: 0)."""
@@ -22,6 +25,33 @@ def optimizer_state_factor(optimizer: torch.optim.Optimizer | None) -> float:
     if name == "RMSprop":
         return 1.0 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
     return 2.0  # unknown: assume Adam-like
+
+
+def check_optimizer_params(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module) -> None:
+    """The optimizer steps the model's parameters: one built over another model's (a copy made before
+    parallelize, a second instance) would train nothing, silently, and one with parameters beyond the model's
+    would step those without partita summing their gradients over ranks. Every rank raises at once."""
+    problem = _foreign_params(optimizer, model) if optimizer is not None else None
+    failed = [e for e in agreement.state_step("parallelize: the optimizer's parameters", problem) if e is not None]
+    if failed:
+        raise PlanError(failed[0].message)
+
+
+def _foreign_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> PlanError | None:
+    own = {id(p) for p in model.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in params if id(p) not in own]
+    if not foreign:
+        return None
+    fix = (f"Build the optimizer over the parameters of the model you parallelize "
+           f"(torch.optim.{type(optimizer).__name__}(model.parameters(), ...), with that model)")
+    if len(foreign) == len(params):
+        return PlanError(f"none of the optimizer's {len(params)} parameters are the model's: it was built over "
+                         "another model's parameters, so optimizer.step() would train nothing. " + fix)
+    return PlanError(f"{len(foreign)} of the optimizer's {len(params)} parameters are not the model's (e.g. one of "
+                     f"shape {tuple(foreign[0].shape)}): partita computes only the model's gradients across ranks, so "
+                     "the optimizer would step those others with this rank's gradients alone. " + fix + "; train "
+                     "other parameters (a learnable loss) inside the model")
 
 
 def patch_optimizer(optimizer: torch.optim.Optimizer, full_state_dict, keep_local) -> None:

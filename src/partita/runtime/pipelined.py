@@ -29,7 +29,7 @@ from partita.capture.export import CapturedGraph
 from partita.capture.shapes import shape_at
 from partita.capture.split import split
 from partita.errors import BatchError, PartitaError, PlanError
-from partita.plan.plan import Plan, check_batch
+from partita.plan.plan import FSDP_LEVELS, Plan, check_batch
 from partita.runtime.batch import Loss, checked_loss, rows_combination
 from partita.runtime.fully_sharded import ShardedUnits, reshard_after_call, through_units
 from partita.runtime.grads import GradSync, Gradients
@@ -132,10 +132,11 @@ class Engine:
             passed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(rows))
             raise BatchError(
                 f"ranks pass batches of different sizes ({passed} rows). This plan pipelines the model "
-                f"({plan.num_stages} stages x {plan.num_replicas} replicas), which splits every rank's rows the same "
-                "way, so every rank must pass the same number of rows: give each rank the same number of samples "
-                "(a DistributedSampler does; a last short batch is then equally short on every rank). A "
-                "data-parallel plan (stages=1) weighs batches of different sizes by their rows instead.")
+                f"({_pipelined_because(plan)}), which splits every rank's rows the same way, so every rank must pass "
+                "the same number of rows: give each rank the same number of samples (a DistributedSampler does; a "
+                "last short batch is then equally short on every rank). A plan that DDP runs (stages=1, "
+                "micro_batches=1, sharding=\"none\" or \"optimizer\") weighs batches of different sizes by their rows "
+                "instead.")
         local = rows[p.rank]
         check_batch(local * p.replica.size, plan.micro_batches, plan.num_replicas, p.world_size)
         return local, local * p.replica.size // plan.micro_batches
@@ -417,3 +418,12 @@ class _Outputs(torch.autograd.Function):
         if run is None:
             raise PartitaError("backward through the same outputs twice; call the model again")
         return (None, None, *run.backward(grad_leaves))
+
+
+def _pipelined_because(plan: Plan) -> str:
+    """'1 stage x 2 replicas, 2 micro-batches, sharding="parameters"': what makes a plan partita's pipelined one."""
+    why = [f"{plan.num_stages} stage{'s' if plan.num_stages > 1 else ''} x {plan.num_replicas} replicas"]
+    if plan.micro_batches > 1:
+        why.append(f"{plan.micro_batches} micro-batches")
+    why += sorted({f"sharding=\"{s.sharding}\"" for s in plan.stages if s.sharding in FSDP_LEVELS})
+    return ", ".join(why)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from partita.errors import PartitaError
 from partita.plan.plan import Plan
 from partita.runtime import agreement
 from partita.runtime.batch import Call, Loss
@@ -45,6 +46,27 @@ def first_names(module: nn.Module) -> dict[int, str]:
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     return names
+
+
+def refuse_partial_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """A state_dict pre-hook on the user's model (`model.module`): DDP's saving idiom, `if rank == 0:
+    torch.save(model.module.state_dict(), path)`, would save the meta tensors of other ranks' stages or this
+    replica's shards, a file that fails only when loaded. partita's own reads keep the variables (keep_vars=True)."""
+    if keep_vars:
+        return
+    tensors = [*module.parameters(), *module.buffers()]
+    meta = sum(1 for t in tensors if t.is_meta)
+    shards = sum(1 for t in tensors if isinstance(t, DTensor))
+    if not meta and not shards:
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    parts = ([f"{meta} of its tensors are on the meta device (another stage's, or not made yet)"] if meta else []) + \
+        ([f"{shards} are this replica's shards of tensors its replicas split"] if shards else [])
+    raise PartitaError(
+        f"model.module.state_dict() on rank {rank}: this rank holds only its part of the model ({'; '.join(parts)}), "
+        "so a file saved from it would fail when loaded. Call model.state_dict() on every rank instead (it gathers "
+        "the whole model, the same on every rank; save it from rank 0), or partita.save(model, optimizer, path, "
+        "step=...) on every rank")
 
 
 @contextlib.contextmanager
