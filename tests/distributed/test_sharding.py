@@ -178,3 +178,16 @@ def test_checkpoints_of_stages_with_different_sharding_levels(pools, tmp_path, w
     saved = pools.run(4, f"{CASE}:train_and_save", "gpt", str(tmp_path / "mixed"), mixed)
     loaded = pools.run(world, f"{CASE}:load_and_continue", "gpt", str(tmp_path / "mixed"), plan)
     check_resumed(loaded, saved)
+
+
+@pytest.mark.parametrize("sharding", ["gradients", "parameters"])
+@pytest.mark.parametrize("name", ["resnet", "hf_resnet"])
+@pytest.mark.parametrize("world,stages", [(2, 1), (4, 2)], ids=["data-parallel", "2x2"])
+def test_in_place_residuals_under_fsdp(pools, world, stages, name, sharding):
+    """ResNet's residual added in place (torchvision's `out += identity`, HF's `hidden_state += residual`)
+    into a value an earlier FSDP unit made: trains as one process (each replica's BatchNorm statistics its own
+    rows', replica 0's running statistics kept, as under DDP), eval calls included."""
+    r = fidelity(pools, world, name, "eval", stages=stages, micro_batches=1, schedule="GPipe" if stages > 1 else None,
+                 sharding=sharding, optimizer="sgd", statistics_replicas=world // stages, eval_batch=4)
+    assert r["plan"][:3] == (stages, world // stages, 1)
+    assert r["sharded_params"][0] > 0

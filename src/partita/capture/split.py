@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -356,6 +357,29 @@ def written_args(node: fx.Node) -> list[fx.Node]:
     written += [node.args[i] for i in _STATISTICS_WRITTEN.get(node.target, ())
                 if i < len(node.args) and isinstance(node.args[i], fx.Node)]
     return written
+
+
+def _aliased_input(node: fx.Node) -> fx.Node | None:
+    """The input whose memory `node`'s result is (a view, an in-place op's result, an element of a split), or
+    None where the result has memory of its own."""
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return source if isinstance(source, fx.Node) and _aliased_input(source) is not None else None
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+        return None
+    return next((value for arg, value in zip(schema.arguments, node.args)
+                 if arg.alias_info is not None and isinstance(value, fx.Node)), None)
+
+
+def memory_owner(value: fx.Node, within: Callable[[fx.Node], bool]) -> fx.Node:
+    """The value whose memory `value` is: `value` followed back through views, in-place ops (which return
+    their input) and splits, as long as `within` holds for the view. A write into `value` writes into it."""
+    while within(value) and (source := _aliased_input(value)) is not None:
+        value = source
+    return value
 
 
 def _clone_written_inputs(graph: fx.Graph, node: fx.Node, env: dict, placeholders: set) -> None:
