@@ -146,6 +146,27 @@ class SmallResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+class WriteIntoView(nn.Module):
+    """Writes in place into views of a value that earlier layers made: a slice (`h[:, 8:] += ...`) and a view
+    taken before the next layers ran (`head.add_(...)`); then reads the whole value."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.c = nn.Linear(d, d)
+        self.d = nn.Linear(d, d)
+        self.out = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d), nn.Tanh(), nn.Linear(d, 4))
+
+    def forward(self, x):
+        h = self.a(x)
+        head = h[:, :4]
+        g = torch.tanh(self.b(x))
+        h[:, 8:] += self.c(g)[:, 8:]
+        head.add_(self.d(g)[:, :4])
+        return self.out(torch.tanh(h) * g)
+
+
 class LossOut(nn.Module):
     """Takes the target as a second input and returns its own (mean) loss."""
 
@@ -306,6 +327,7 @@ CASES: dict[str, Case] = {
     "embedding": Case(EmbeddingNet, _tokens(40, 5, classes=4), nn.CrossEntropyLoss(), _ce),
     "no_params": Case(NoParams, _regress((4, 4), (16,)), nn.MSELoss(), _mse),
     "gpt": Case(lambda: SmallGPT(vocab=64, dim=32, heads=2, layers=2, context=16), _tokens(64, 8), _lm, _lm),
+    "write_into_view": Case(WriteIntoView, _dense(16), nn.CrossEntropyLoss(), _ce),
     "resnet": Case(SmallResNet, _images, nn.CrossEntropyLoss(), _ce),
     "hf_resnet": Case(lambda: _hf("resnet"), _images, _ce, _ce),
     "hf_gpt2": Case(lambda: _hf("gpt2"), _hf_lm_batch, _lm, _lm),

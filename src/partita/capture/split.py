@@ -284,8 +284,11 @@ def _build(cap, s, nodes, inputs, outputs, kinds, substitute, is_last) -> StageG
         return new
 
     written: list[str] = []
+    local_names = {n.name for n in nodes}
+    written_inputs = placeholders & {memory_owner(value, lambda n: n.name in local_names).name
+                                     for node in nodes for value in written_args(node)}
     for node in nodes:
-        _clone_written_inputs(graph, node, env, placeholders)
+        _clone_written_inputs(graph, node, env, written_inputs)
         env[node.name] = graph.node_copy(node, get)
         written += [a.name for a in written_args(node) if a.name in cap.fqn_of and a.name not in cap.parameters]
     for value, buffer in cap.buffer_updates:
@@ -359,14 +362,14 @@ def written_args(node: fx.Node) -> list[fx.Node]:
     return written
 
 
-def _aliased_input(node: fx.Node) -> fx.Node | None:
+def aliased_input(node: fx.Node) -> fx.Node | None:
     """The input whose memory `node`'s result is (a view, an in-place op's result, an element of a split), or
     None where the result has memory of its own."""
     if node.op != "call_function":
         return None
     if node.target is operator.getitem:
         source = node.args[0]
-        return source if isinstance(source, fx.Node) and _aliased_input(source) is not None else None
+        return source if isinstance(source, fx.Node) and aliased_input(source) is not None else None
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.returns or schema.returns[0].alias_info is None:
         return None
@@ -374,18 +377,19 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
                  if arg.alias_info is not None and isinstance(value, fx.Node)), None)
 
 
-def memory_owner(value: fx.Node, within: Callable[[fx.Node], bool]) -> fx.Node:
+def memory_owner(value: fx.Node, within: Callable[[fx.Node], bool] = lambda node: True) -> fx.Node:
     """The value whose memory `value` is: `value` followed back through views, in-place ops (which return
     their input) and splits, as long as `within` holds for the view. A write into `value` writes into it."""
-    while within(value) and (source := _aliased_input(value)) is not None:
+    while within(value) and (source := aliased_input(value)) is not None:
         value = source
     return value
 
 
-def _clone_written_inputs(graph: fx.Graph, node: fx.Node, env: dict, placeholders: set) -> None:
-    """An op that writes into a received tensor works on a copy: received tensors are autograd leaves."""
-    for value in written_args(node):
-        if value.name in placeholders and env[value.name].op == "placeholder":
+def _clone_written_inputs(graph: fx.Graph, node: fx.Node, env: dict, written_inputs: set[str]) -> None:
+    """The stage reads a received tensor that it writes into (or into a view of) from a copy, made at its first
+    read: received tensors are autograd leaves, and autograd refuses writes into them and their views."""
+    for value in node.all_input_nodes:
+        if value.name in written_inputs and env[value.name].op == "placeholder":
             clone = graph.call_function(torch.ops.aten.clone.default, (env[value.name],))
             clone.meta = dict(value.meta)
             env[value.name] = clone

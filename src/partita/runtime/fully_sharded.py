@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.fx.passes.split_module import split_module
 
-from partita.capture.split import memory_owner, written_args
+from partita.capture.split import aliased_input, memory_owner, written_args
 from partita.errors import InternalError
 from partita.graph import ModelGraph
 from partita.plan.plan import FSDP_LEVELS, Plan
@@ -218,32 +218,48 @@ def through_units(stage_module: fx.GraphModule, parameters: dict[str, str], shar
 
 
 def _copy_values_written_across_units(graph: fx.Graph, part: dict[str, int]) -> None:
-    """A unit's piece that writes in place into a tensor it did not make (another piece's result, the stage's
-    input, or a view of one) writes into a copy of its own, made before its first read of that tensor; every
-    later reader reads the copy, which holds the write, as it would have read the written tensor.
+    """A unit's piece that writes in place into memory that an earlier piece made (its result, the stage's input,
+    or a view of one) writes into a copy of its own, made before the piece first reads that memory; every later
+    reader reads the copy, which holds the write, as it would have read the written memory. Views of that
+    memory that earlier pieces took and later ones read are taken again, of the copy.
 
     FSDP's pre-forward hook passes a unit's inputs through one autograd function (RegisterPostBackwardFunction),
     which makes each a view among its several outputs, and autograd refuses in-place writes into such views
     ("Output 1 of RegisterPostBackwardFunction is a view and is being modified inplace": ResNet's
-    `hidden_state += residual` where the shortcut has parameters of its own). A piece's own values, the pieces'
-    outputs (tensors of their own, `Unit.forward`) and buffers (which need no gradient: the hook passes them
-    as they are) are written as they are: no copy. The piece before the first unit runs outside FSDP's hooks."""
+    `hidden_state += residual` where the shortcut has parameters of its own). Memory the piece makes itself
+    and buffers (which need no gradient: the hook passes them as they are) are written as they are, with no
+    copy. The piece before the first unit runs outside FSDP's hooks."""
     for node in list(graph.nodes):
         piece = part.get(node.name, -1)
         if piece < 0:
             continue
         for written in written_args(node):
-            owner = memory_owner(written, lambda n: part.get(n.name) == piece)
-            if owner.op == "get_attr" or part.get(owner.name) == piece:
+            if part.get(memory_owner(written, lambda n: part.get(n.name) == piece).name) == piece:
+                continue  # made by this piece, views included
+            owner = memory_owner(written)
+            if owner.op == "get_attr":
                 continue
             nodes = list(graph.nodes)
-            first = next(k for k, n in enumerate(nodes) if part.get(n.name) == piece and owner in n.all_input_nodes)
+            earlier = [n for n in nodes if part.get(n.name, -1) < piece and memory_owner(n) is owner]
+            first = next(k for k, n in enumerate(nodes)
+                         if part.get(n.name) == piece and any(a in earlier for a in n.all_input_nodes))
+            again: dict[fx.Node, fx.Node] = {}
             with graph.inserting_before(nodes[first]):
-                copy = graph.call_function(torch.ops.aten.clone.default, (owner,))
-            copy.meta = dict(owner.meta)
-            part[copy.name] = piece
+                for view in earlier:
+                    if view is owner:
+                        again[view] = graph.call_function(torch.ops.aten.clone.default, (owner,))
+                    elif written_args(view):  # an in-place op: its result is its input, written already
+                        again[view] = again[aliased_input(view)]
+                    else:
+                        again[view] = graph.node_copy(view, lambda a: again.get(a, a))
+                    again[view].meta = dict(view.meta)
+                    part[again[view].name] = piece
             for later in nodes[first:]:
-                later.replace_input_with(owner, copy)
+                for view, copy in again.items():
+                    later.replace_input_with(view, copy)
+            for copy in reversed(list(dict.fromkeys(again.values()))):
+                if not copy.users:
+                    graph.erase_node(copy)
 
 
 def reshard_after_call(units: list[Unit]) -> None:
