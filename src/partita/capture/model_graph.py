@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from partita.capture.export import CapturedGraph
 from partita.capture.shapes import concrete, value_dependent
-from partita.capture.split import memory_owner, units, written_args
+from partita.capture.split import cuts_between_views_and_writes, units, written_args
 from partita.graph import Block, ModelGraph
 from partita.graph.graph import Fit
 
@@ -195,7 +195,7 @@ def model_graph(cap: CapturedGraph) -> ModelGraph:
     unit_of = {n.name: i for i, u in enumerate(us) for n in u.nodes}
     crossings = _crossings(cap, unit_of, len(us))
     blocks = []
-    sealed = _sealed_cuts(crossings) | _cuts_between_views_and_writes(cap, unit_of)
+    sealed = _sealed_cuts(crossings) | cuts_between_views_and_writes(cap)
     for i, (start, stop, name) in enumerate(_join_sealed(_segments(us), sealed)):
         group = us[start:stop]
         blocks.append(Block(
@@ -268,26 +268,6 @@ def _sealed_cuts(crossings: list[tuple[torch.Tensor, int, int]]) -> set[int]:
     """Cuts that a tensor whose size depends on tensor values crosses (the tokens routed to one expert): no
     stage could receive it, because a pipeline sizes its receive buffers before the values exist."""
     return {k for val, start, dies in crossings if value_dependent(val) for k in range(start, dies)}
-
-
-def _cuts_between_views_and_writes(cap: CapturedGraph, unit_of: dict[str, int]) -> set[int]:
-    """Cuts between a view of a tensor and an in-place write into that tensor's memory that the view is read at
-    or after (`head = h[:, :4]` ... `head.add_(y)`, then h read): the stage or FSDP unit of the write must hold
-    the view, taken of the tensor it received. A tensor crosses a cut as a value of its own, so a view of it
-    sent beside it, written in place on the other side, would not write into it."""
-    order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
-    owner_of = {name: memory_owner(cap.node(name)).name for name in unit_of}
-    sealed: set[int] = set()
-    for name, unit in unit_of.items():
-        for written in written_args(cap.node(name)):
-            owner = memory_owner(written).name
-            if owner in cap.fqn_of:
-                continue  # a buffer: held by every stage that reads it, not sent
-            for view, its_owner in owner_of.items():
-                if its_owner == owner and view != owner and order[view] < order[name] \
-                        and any(order[u.name] >= order[name] for u in cap.node(view).users):
-                    sealed |= set(range(unit_of[view], unit))
-    return sealed
 
 
 def _join_sealed(ranges: list[tuple[int, int, str]], sealed: set[int]) -> list[tuple[int, int, str]]:

@@ -113,6 +113,10 @@ def _scalar_expr(node: fx.Node):
 def split(cap: CapturedGraph, stage_of_unit: list[int], num_stages: int) -> list[StageGraph]:
     """Build one module per stage; `stage_of_unit[i]` is the stage of unit i (non-decreasing)."""
     stage_of, local = _nodes_of_stages(units(cap), stage_of_unit, num_stages)
+    cut = sorted(k for k in cuts_between_views_and_writes(cap) if stage_of_unit[k] != stage_of_unit[k + 1])
+    if cut:
+        raise InternalError(f"split was given a stage boundary after unit {cut[0]}, between a view of a tensor "
+                            "and an in-place write into its memory; the planner's blocks never hold one")
     kinds = {n.name: _kind(n, cap) for n in cap.gm.graph.nodes}
     order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
     out_nodes = _tensor_outputs(cap, kinds)
@@ -383,6 +387,28 @@ def memory_owner(value: fx.Node, within: Callable[[fx.Node], bool] = lambda node
     while within(value) and (source := aliased_input(value)) is not None:
         value = source
     return value
+
+
+def cuts_between_views_and_writes(cap: CapturedGraph) -> set[int]:
+    """Cuts (k: between unit k and unit k+1, see `units`) between a view of a tensor and an in-place write into
+    that tensor's memory that the view is read at or after (`head = h[:, :4]` ... `head.add_(y)`, then h read):
+    the stage or FSDP unit of the write must hold the view, taken of the tensor it received. A tensor crosses a
+    cut as a value of its own, so a view of it sent beside it, written in place on the other side, would not
+    write into it."""
+    unit_of = {n.name: k for k, group in enumerate(units(cap)) for n in group}
+    order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
+    owner_of = {name: memory_owner(cap.node(name)).name for name in unit_of}
+    cuts: set[int] = set()
+    for name, unit in unit_of.items():
+        for written in written_args(cap.node(name)):
+            owner = memory_owner(written).name
+            if owner in cap.fqn_of:
+                continue  # a buffer: held by every stage that reads it, not sent
+            for view, its_owner in owner_of.items():
+                if its_owner == owner and view != owner and order[view] < order[name] \
+                        and any(order[u.name] >= order[name] for u in cap.node(view).users):
+                    cuts |= set(range(unit_of[view], unit))
+    return cuts
 
 
 def _clone_written_inputs(graph: fx.Graph, node: fx.Node, env: dict, written_inputs: set[str]) -> None:
