@@ -116,7 +116,7 @@ def split(cap: CapturedGraph, stage_of_unit: list[int], num_stages: int) -> list
     cut = sorted(k for k in cuts_between_views_and_writes(cap) if stage_of_unit[k] != stage_of_unit[k + 1])
     if cut:
         raise InternalError(f"split was given a stage boundary after unit {cut[0]}, between a view of a tensor "
-                            "and an in-place write into its memory; the planner's blocks never hold one")
+                            "and an in-place write into its memory, where the planner's blocks never end")
     kinds = {n.name: _kind(n, cap) for n in cap.gm.graph.nodes}
     order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
     out_nodes = _tensor_outputs(cap, kinds)

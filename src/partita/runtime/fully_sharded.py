@@ -246,13 +246,14 @@ def _copy_values_written_across_units(graph: fx.Graph, part: dict[str, int]) -> 
             again: dict[fx.Node, fx.Node] = {}
             with graph.inserting_before(nodes[first]):
                 for view in earlier:
+                    if written_args(view) and view is not owner:  # an in-place op: its result is its input
+                        again[view] = again[aliased_input(view)]
+                        continue
                     if view is owner:
                         again[view] = graph.call_function(torch.ops.aten.clone.default, (owner,))
-                    elif written_args(view):  # an in-place op: its result is its input, written already
-                        again[view] = again[aliased_input(view)]
+                        again[view].meta = dict(view.meta)
                     else:
                         again[view] = graph.node_copy(view, lambda a: again.get(a, a))
-                    again[view].meta = dict(view.meta)
                     part[again[view].name] = piece
             for later in nodes[first:]:
                 for view, copy in again.items():
