@@ -6,7 +6,7 @@ tables were one).
 
 Each architecture (support.hf_architectures: built from its config class with tiny sizes, random token ids,
 the next-token loss) is first built, called and differentiated in one process; then trained two steps with
-Adam on 2 ranks (data parallel) and on 4 ranks (2 stages x 2 replicas, 2 micro-batches, 1F1B) against one
+SGD and momentum on 2 ranks (data parallel) and on 4 ranks (2 stages x 2 replicas, 2 micro-batches, 1F1B) against one
 process (support.cases:fidelity, fp32 rtol 1e-5, atol 1e-6). One line per architecture: whether it builds
 and captures (else why not), the largest relative error per layout (|got - want| / (|want| + atol / rtol):
 within tolerance up to 1e-5), PASS or FAIL. Exits 1 if any FAILs.
@@ -35,6 +35,10 @@ LAYOUTS = {  # name -> world, plan arguments
     "2x2": (4, {"stages": 2, "micro_batches": 2, "schedule": "1F1B"}),
 }
 STEPS = 2
+# SGD with momentum: Adam divides each gradient entry by its own magnitude, so on entries near zero it turns fp32
+# rounding noise (the ranks sum rows in another order than one process) into whole steps (CTRL: parameters
+# 2e-4 apart after one Adam step, 2e-7 with SGD); a wrong gradient still shows under SGD
+OPTIMIZER = "sgd"
 
 
 def train(pools: Pools, model_type: str, layout: str) -> tuple[bool, str]:
@@ -43,7 +47,8 @@ def train(pools: Pools, model_type: str, layout: str) -> tuple[bool, str]:
 
     world, plan = LAYOUTS[layout]
     try:
-        results = pools.run(world, "support.hf_architectures:fidelity", model_type, steps=STEPS, **plan)
+        results = pools.run(world, "support.hf_architectures:fidelity", model_type, steps=STEPS, optimizer=OPTIMIZER,
+                            **plan)
     except AssertionError as e:  # the case raised on some rank
         return False, f"{layout}: {_cause(str(e))}"
     relative = max((v["relative"] for r in results for v in r["diffs"].values()), default=float("nan"))

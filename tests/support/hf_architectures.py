@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from support.zoo import CASES, Case, _lm, _logits
+from models import lm_loss
+from support.zoo import CASES, Case
 
 VOCAB, SEQUENCE = 96, 8
 SIZES = {
@@ -72,6 +73,10 @@ def build(model_type: str) -> nn.Module:
     return cls(config)
 
 
+def _loss(out, target):
+    return lm_loss(out.logits, target)
+
+
 def _batch(n, g):
     ids = torch.randint(3, VOCAB, (n, SEQUENCE), generator=g)
     return (), {"input_ids": ids}, torch.randint(3, VOCAB, (n, SEQUENCE), generator=g)
@@ -84,7 +89,7 @@ def case_name(model_type: str) -> str:
 def register(model_type: str) -> str:
     """A fidelity case for `model_type` in support.zoo's CASES, in this process; its name."""
     name = case_name(model_type)
-    CASES[name] = Case(lambda: build(model_type), _batch, _lm, _lm)
+    CASES[name] = Case(lambda: build(model_type), _batch, _loss, _loss)
     return name
 
 
@@ -101,7 +106,7 @@ def one_process(model_type: str) -> dict:
         torch.manual_seed(0)
         model = build(model_type)
         _, kwargs, target = _batch(4, torch.Generator().manual_seed(0))
-        _lm(_logits(model(**kwargs)), target).backward()
+        _loss(model(**kwargs), target).backward()
     except Exception as e:  # noqa: BLE001 - reported by the sweep
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
     return {"error": None, "params": sum(p.numel() for p in model.parameters())}
