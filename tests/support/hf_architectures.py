@@ -30,11 +30,6 @@ SIZES = {
     "sliding_window": 4, "attention_chunk_size": 4,
     "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
 }
-DROPOUTS = ("dropout", "attention_dropout", "hidden_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob",
-            "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout", "classifier_dropout",
-            "activation_dropout", "ffn_dropout", "residual_dropout", "embedding_dropout", "mlp_dropout")
-
-
 def causal_lm_types() -> dict[str, str]:
     """Model type -> causal LM class name, as transformers lists them."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -49,7 +44,9 @@ def tiny_config(model_type: str):
     config = AutoConfig.for_model(model_type)
     known = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
     given = {k: v for k, v in SIZES.items() if k in known}
-    given.update({k: 0.0 for k in DROPOUTS if k in known})
+    # every dropout off, whatever the config calls it (dropout_p, resid_pdrop, attention_probs_dropout_prob, ...)
+    given.update({k: 0.0 for k, v in config.to_dict().items()
+                  if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, float)})
     return AutoConfig.for_model(model_type, **given)
 
 
