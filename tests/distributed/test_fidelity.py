@@ -80,6 +80,15 @@ def test_zoo_stages_and_replicas(pools, name):
     fidelity(pools, 4, name, "output", stages=2, replicas=2, style="outputs", optimizer="sgd")
 
 
+@pytest.mark.parametrize("world,stages,schedule", [(2, 2, "1F1B"), (4, 4, "GPipe"), (4, 4, "1F1B")])
+def test_writes_into_views_across_stages(pools, world, stages, schedule):
+    """Writes in place into views of a value an earlier layer made (`h[:, 8:] += ...`; `head = h[:, :4]` ...
+    `head.add_(...)`, then h read), in a model split into as many stages as it has blocks: as one process."""
+    r = fidelity(pools, world, "write_into_view", "eval", stages=stages, micro_batches=4, schedule=schedule,
+                 eval_batch=4)
+    assert r["plan"][:2] == (stages, world // stages)
+
+
 def test_hf_model_output_comes_back_whole(pools):
     """Without loss_fn, an HF ModelOutput comes back with its type, keys and nesting (logits and a tuple of
     hidden states), each tensor this rank's rows of the reference's."""

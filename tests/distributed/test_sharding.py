@@ -178,3 +178,18 @@ def test_checkpoints_of_stages_with_different_sharding_levels(pools, tmp_path, w
     saved = pools.run(4, f"{CASE}:train_and_save", "gpt", str(tmp_path / "mixed"), mixed)
     loaded = pools.run(world, f"{CASE}:load_and_continue", "gpt", str(tmp_path / "mixed"), plan)
     check_resumed(loaded, saved)
+
+
+@pytest.mark.parametrize("sharding", ["gradients", "parameters"])
+@pytest.mark.parametrize("name", ["resnet", "hf_resnet", "write_into_view"])
+@pytest.mark.parametrize("world,stages", [(2, 1), (4, 2)], ids=["data-parallel", "2x2"])
+def test_in_place_writes_across_fsdp_units(pools, world, stages, name, sharding):
+    """In-place writes into values an earlier FSDP unit made train as one process, eval calls included: ResNet's
+    residual (torchvision's `out += identity`, HF's `hidden_state += residual`, where the shortcut has
+    parameters of its own), and writes into views (`h[:, 8:] += ...`; `head = h[:, :4]` ... `head.add_(...)`,
+    then h read). With BatchNorm, each replica normalizes by its own rows and keeps replica 0's running
+    statistics, as under DDP."""
+    r = fidelity(pools, world, name, "eval", stages=stages, micro_batches=1, schedule="GPipe" if stages > 1 else None,
+                 sharding=sharding, optimizer="sgd", statistics_replicas=world // stages, eval_batch=4)
+    assert r["plan"][:3] == (stages, world // stages, 1)
+    assert r["sharded_params"][0] > 0

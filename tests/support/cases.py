@@ -41,10 +41,12 @@ class Diffs:
     def __init__(self):
         self.worst: dict[str, tuple[float, str]] = {}
         self.count: dict[str, int] = {}
+        self.relative: dict[str, float] = {}  # the largest |a - b| / (|b| + atol / rtol): within tolerance to rtol
 
     def add(self, kind: str, what: str, got, want) -> None:
         excess, why = _excess(got, want)
         self._record(kind, f"{what} ({why})" if why else what, excess)
+        self.relative[kind] = max(self.relative.get(kind, 0.0), _relative(got, want))
 
     def add_exact(self, kind: str, what: str, got, want) -> None:
         """Bit for bit: any difference fails."""
@@ -60,7 +62,8 @@ class Diffs:
             self.worst[kind] = (excess, what)
 
     def result(self) -> dict:
-        return {k: {"excess": v[0], "worst": v[1], "checked": self.count[k]} for k, v in self.worst.items()}
+        return {k: {"excess": v[0], "worst": v[1], "checked": self.count[k], "relative": self.relative.get(k, math.nan)}
+                for k, v in self.worst.items()}
 
 
 def _excess(got, want) -> tuple[float, str]:
@@ -77,6 +80,16 @@ def _excess(got, want) -> tuple[float, str]:
     if not got.numel():
         return -1.0, ""
     return float(((got - want).abs() - (ATOL + RTOL * want.abs())).max()), ""
+
+
+def _relative(got, want) -> float:
+    """The largest |got - want| / (|want| + atol / rtol) (inf where they cannot be compared)."""
+    if got is None or want is None or got.shape != want.shape:
+        return 0.0 if got is None and want is None else math.inf
+    if not got.numel():
+        return 0.0
+    got, want = got.detach().double(), want.detach().double()
+    return float(((got - want).abs() / (want.abs() + ATOL / RTOL)).max())
 
 
 def _rows(tree, sl):

@@ -104,6 +104,69 @@ class BatchNormNet(nn.Module):
         return self.out(h)
 
 
+class ResidualBlock(nn.Module):
+    """torchvision's BasicBlock: the residual added in place (`out += identity`), a 1x1 convolution on the
+    shortcut where the shape changes."""
+
+    def __init__(self, c_in, c_out, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.downsample = None
+        if stride != 1 or c_in != c_out:
+            self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        identity = x
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return F.relu(out)
+
+
+class SmallResNet(nn.Module):
+    """A ResNet as torchvision writes it, small: a stem, four residual blocks (two with a downsampling
+    shortcut), global pooling and a classifier."""
+
+    def __init__(self, classes=4):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.layers = nn.Sequential(ResidualBlock(8, 8), ResidualBlock(8, 16, 2), ResidualBlock(16, 16),
+                                    ResidualBlock(16, 16, 2))
+        self.fc = nn.Linear(16, classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = self.layers(x)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class WriteIntoView(nn.Module):
+    """Writes in place into views of a value that earlier layers made: a slice (`h[:, 8:] += ...`) and a view
+    taken before the next layers ran (`head.add_(...)`); then reads the whole value."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.c = nn.Linear(d, d)
+        self.d = nn.Linear(d, d)
+        self.out = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d), nn.Tanh(), nn.Linear(d, 4))
+
+    def forward(self, x):
+        h = self.a(x)
+        head = h[:, :4]
+        g = torch.tanh(self.b(x))
+        h[:, 8:] += self.c(g)[:, 8:]
+        head.add_(self.d(g)[:, :4])
+        return self.out(torch.tanh(h) * g)
+
+
 class LossOut(nn.Module):
     """Takes the target as a second input and returns its own (mean) loss."""
 
@@ -166,6 +229,9 @@ def _hf(name: str) -> nn.Module:
             num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
             intermediate_size=64, vocab_size=64, max_position_embeddings=32, use_cache=False,
             bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    if name == "resnet":  # HF ResNet's residual: `hidden_state += residual`
+        return tr.ResNetForImageClassification(tr.ResNetConfig(
+            embedding_size=8, hidden_sizes=[8, 16], depths=[1, 2], layer_type="basic", num_labels=4))
     raise KeyError(name)
 
 
@@ -238,6 +304,10 @@ def _bert_batch(n, g):
     return (), {"input_ids": ids, "attention_mask": mask}, torch.randint(0, 3, (n,), generator=g)
 
 
+def _images(n, g):
+    return (torch.randn(n, 3, 8, 8, generator=g),), {}, torch.randint(0, 4, (n,), generator=g)
+
+
 def _hf_lm_batch(n, g):
     ids = torch.randint(0, 64, (n, 12), generator=g)
     return (), {"input_ids": ids}, torch.randint(0, 64, (n, 12), generator=g)
@@ -257,6 +327,9 @@ CASES: dict[str, Case] = {
     "embedding": Case(EmbeddingNet, _tokens(40, 5, classes=4), nn.CrossEntropyLoss(), _ce),
     "no_params": Case(NoParams, _regress((4, 4), (16,)), nn.MSELoss(), _mse),
     "gpt": Case(lambda: SmallGPT(vocab=64, dim=32, heads=2, layers=2, context=16), _tokens(64, 8), _lm, _lm),
+    "write_into_view": Case(WriteIntoView, _dense(16), nn.CrossEntropyLoss(), _ce),
+    "resnet": Case(SmallResNet, _images, nn.CrossEntropyLoss(), _ce),
+    "hf_resnet": Case(lambda: _hf("resnet"), _images, _ce, _ce),
     "hf_gpt2": Case(lambda: _hf("gpt2"), _hf_lm_batch, _lm, _lm),
     "hf_bert": Case(lambda: _hf("bert"), _bert_batch, _ce, _ce),
     "hf_llama": Case(lambda: _hf("llama"), _hf_lm_batch, _lm, _lm),

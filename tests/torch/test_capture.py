@@ -10,8 +10,8 @@ from torch import nn
 
 from partita.capture.model_graph import model_graph
 from partita.capture.export import Modes, capture, flatten_call
-from partita.capture.split import carry_stages, split, units
-from partita.errors import BatchError, CaptureError, PlanError
+from partita.capture.split import carry_stages, cuts_between_views_and_writes, split, units
+from partita.errors import BatchError, CaptureError, InternalError, PlanError
 from support.zoo import CASES
 
 
@@ -33,11 +33,28 @@ def test_stage_chain_equals_model(name, num_stages):
     args, kwargs, _ = case.batch(4, torch.Generator().manual_seed(0))
     cap = capture(model, args, kwargs)
     n = len(units(cap))
-    stages = split(cap, [i * num_stages // n for i in range(n)], num_stages)
+    # stage boundaries spread over the cuts the splitter takes (none between a view and a write into it)
+    allowed = sorted(set(range(n - 1)) - cuts_between_views_and_writes(cap))
+    chosen = [allowed[(j + 1) * len(allowed) // num_stages] for j in range(num_stages - 1)]
+    stages = split(cap, [sum(k < i for k in chosen) for i in range(n)], num_stages)
     got, want = run_stages(cap, stages, args, kwargs), model(*args, **kwargs)
     for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
         if isinstance(b, torch.Tensor):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_no_stage_boundary_between_a_view_and_a_write_into_it():
+    """`head = h[:, :4]` ... `head.add_(...)`, then h read: the blocks keep the view with the write, and the
+    splitter refuses a boundary between them (a stage would write into a copy of the view, not into h)."""
+    model = CASES["write_into_view"].make()
+    cap = capture(model, (torch.randn(4, 16),), {})
+    cuts = cuts_between_views_and_writes(cap)
+    assert cuts
+    graph = model_graph(cap)
+    assert not {b.units[1] - 1 for b in graph.blocks[:-1]} & cuts
+    k = min(cuts)
+    with pytest.raises(InternalError, match="between a view of a tensor and an in-place write"):
+        split(cap, [0] * (k + 1) + [1] * (len(units(cap)) - k - 1), 2)
 
 
 def test_parameters_are_the_users_own_tensors():

@@ -7,7 +7,8 @@ convolutions, attention), plus one per output element for everything else.
 Blocks group the splitter's units by module: the coarsest module depth at which no block holds more than
 1/32 of the model's work (a transformer's layers, or inside them for a shallow model). Operations of the
 root module (glue such as `x + pos`) join the block that follows them. A cut that a tensor with a size read
-from tensor values would cross (a mixture of experts' per-expert tokens) is no block boundary.
+from tensor values would cross (a mixture of experts' per-expert tokens) is no block boundary, nor is a cut
+between a view of a tensor and a later in-place write into its memory that the view is read at or after.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from partita.capture.export import CapturedGraph
 from partita.capture.listing import digest, module_of, node_lines, shape_text
 from partita.capture.shapes import concrete, value_dependent
-from partita.capture.split import units, written_args
+from partita.capture.split import cuts_between_views_and_writes, units, written_args
 from partita.graph import Block, ModelGraph
 from partita.graph.graph import Fit
 
@@ -179,7 +180,8 @@ def model_graph(cap: CapturedGraph) -> ModelGraph:
     unit_of = {n.name: i for i, u in enumerate(us) for n in u.nodes}
     crossings = _crossings(cap, unit_of, len(us))
     blocks = []
-    for i, (start, stop, name) in enumerate(_join_sealed(_segments(us), _sealed_cuts(crossings))):
+    sealed = _sealed_cuts(crossings) | cuts_between_views_and_writes(cap)
+    for i, (start, stop, name) in enumerate(_join_sealed(_segments(us), sealed)):
         group = us[start:stop]
         blocks.append(Block(
             index=i, name=name, units=(start, stop), first_node=group[0].nodes[0].name,

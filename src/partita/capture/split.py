@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,10 @@ def _scalar_expr(node: fx.Node):
 def split(cap: CapturedGraph, stage_of_unit: list[int], num_stages: int) -> list[StageGraph]:
     """Build one module per stage; `stage_of_unit[i]` is the stage of unit i (non-decreasing)."""
     stage_of, local = _nodes_of_stages(units(cap), stage_of_unit, num_stages)
+    cut = sorted(k for k in cuts_between_views_and_writes(cap) if stage_of_unit[k] != stage_of_unit[k + 1])
+    if cut:
+        raise InternalError(f"split was given a stage boundary after unit {cut[0]}, between a view of a tensor "
+                            "and an in-place write into its memory, where the planner's blocks never end")
     kinds = {n.name: _kind(n, cap) for n in cap.gm.graph.nodes}
     order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
     out_nodes = _tensor_outputs(cap, kinds)
@@ -283,8 +288,11 @@ def _build(cap, s, nodes, inputs, outputs, kinds, substitute, is_last) -> StageG
         return new
 
     written: list[str] = []
+    local_names = {n.name for n in nodes}
+    written_inputs = placeholders & {memory_owner(value, lambda n: n.name in local_names).name
+                                     for node in nodes for value in written_args(node)}
     for node in nodes:
-        _clone_written_inputs(graph, node, env, placeholders)
+        _clone_written_inputs(graph, node, env, written_inputs)
         env[node.name] = graph.node_copy(node, get)
         written += [a.name for a in written_args(node) if a.name in cap.fqn_of and a.name not in cap.parameters]
     for value, buffer in cap.buffer_updates:
@@ -358,10 +366,56 @@ def written_args(node: fx.Node) -> list[fx.Node]:
     return written
 
 
-def _clone_written_inputs(graph: fx.Graph, node: fx.Node, env: dict, placeholders: set) -> None:
-    """An op that writes into a received tensor works on a copy: received tensors are autograd leaves."""
-    for value in written_args(node):
-        if value.name in placeholders and env[value.name].op == "placeholder":
+def aliased_input(node: fx.Node) -> fx.Node | None:
+    """The input whose memory `node`'s result is (a view, an in-place op's result, an element of a split), or
+    None where the result has memory of its own."""
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return source if isinstance(source, fx.Node) and aliased_input(source) is not None else None
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+        return None
+    return next((value for arg, value in zip(schema.arguments, node.args)
+                 if arg.alias_info is not None and isinstance(value, fx.Node)), None)
+
+
+def memory_owner(value: fx.Node, within: Callable[[fx.Node], bool] = lambda node: True) -> fx.Node:
+    """The value whose memory `value` is: `value` followed back through views, in-place ops (which return
+    their input) and splits, as long as `within` holds for the view. A write into `value` writes into it."""
+    while within(value) and (source := aliased_input(value)) is not None:
+        value = source
+    return value
+
+
+def cuts_between_views_and_writes(cap: CapturedGraph) -> set[int]:
+    """Cuts (k: between unit k and unit k+1, see `units`) between a view of a tensor and an in-place write into
+    that tensor's memory that the view is read at or after (`head = h[:, :4]` ... `head.add_(y)`, then h read):
+    the stage or FSDP unit of the write must hold the view, taken of the tensor it received. A tensor crosses a
+    cut as a value of its own, so a view of it sent beside it, written in place on the other side, would not
+    write into it."""
+    unit_of = {n.name: k for k, group in enumerate(units(cap)) for n in group}
+    order = {n.name: i for i, n in enumerate(cap.gm.graph.nodes)}
+    owner_of = {name: memory_owner(cap.node(name)).name for name in unit_of}
+    cuts: set[int] = set()
+    for name, unit in unit_of.items():
+        for written in written_args(cap.node(name)):
+            owner = memory_owner(written).name
+            if owner in cap.fqn_of:
+                continue  # a buffer: held by every stage that reads it, not sent
+            for view, its_owner in owner_of.items():
+                if its_owner == owner and view != owner and order[view] < order[name] \
+                        and any(order[u.name] >= order[name] for u in cap.node(view).users):
+                    cuts |= set(range(unit_of[view], unit))
+    return cuts
+
+
+def _clone_written_inputs(graph: fx.Graph, node: fx.Node, env: dict, written_inputs: set[str]) -> None:
+    """The stage reads a received tensor that it writes into (or into a view of) from a copy, made at its first
+    read: received tensors are autograd leaves, and autograd refuses writes into them and their views."""
+    for value in node.all_input_nodes:
+        if value.name in written_inputs and env[value.name].op == "placeholder":
             clone = graph.call_function(torch.ops.aten.clone.default, (env[value.name],))
             clone.meta = dict(value.meta)
             env[value.name] = clone

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.fx.passes.split_module import split_module
 
+from partita.capture.split import aliased_input, memory_owner, written_args
 from partita.errors import InternalError
 from partita.graph import ModelGraph
 from partita.plan.plan import FSDP_LEVELS, Plan
@@ -185,6 +186,7 @@ def through_units(stage_module: fx.GraphModule, parameters: dict[str, str], shar
                                 "from the planned one")
         current = read.pop() if read else current
         part[node.name] = current
+    _copy_values_written_across_units(stage_module.graph, part)
     pieces = {p: k for k, p in enumerate(sorted(set(part.values())))}
     unit_of_piece = {f"submod_{k}": p for p, k in pieces.items()}  # split_module's names for the pieces
     # split_module passes attributes to the pieces as arguments: those of a unit come from the unit instead
@@ -213,6 +215,52 @@ def through_units(stage_module: fx.GraphModule, parameters: dict[str, str], shar
     top.graph.lint()
     top.recompile()
     return ThroughRoot(sharded.roots[stage], top)
+
+
+def _copy_values_written_across_units(graph: fx.Graph, part: dict[str, int]) -> None:
+    """A unit's piece that writes in place into memory that an earlier piece made (its result, the stage's input,
+    or a view of one) writes into a copy of its own, made before the piece first reads that memory; every later
+    reader reads the copy, which holds the write, as it would have read the written memory. Views of that
+    memory that earlier pieces took and later ones read are taken again, of the copy.
+
+    FSDP's pre-forward hook passes a unit's inputs through one autograd function (RegisterPostBackwardFunction),
+    which makes each a view among its several outputs, and autograd refuses in-place writes into such views
+    ("Output 1 of RegisterPostBackwardFunction is a view and is being modified inplace": ResNet's
+    `hidden_state += residual` where the shortcut has parameters of its own). Memory the piece makes itself
+    and buffers (which need no gradient: the hook passes them as they are) are written as they are, with no
+    copy. The piece before the first unit runs outside FSDP's hooks."""
+    for node in list(graph.nodes):
+        piece = part.get(node.name, -1)
+        if piece < 0:
+            continue
+        for written in written_args(node):
+            if part.get(memory_owner(written, lambda n: part.get(n.name) == piece).name) == piece:
+                continue  # made by this piece, views included
+            owner = memory_owner(written)
+            if owner.op == "get_attr":
+                continue
+            nodes = list(graph.nodes)
+            earlier = [n for n in nodes if part.get(n.name, -1) < piece and memory_owner(n) is owner]
+            first = next(k for k, n in enumerate(nodes)
+                         if part.get(n.name) == piece and any(a in earlier for a in n.all_input_nodes))
+            again: dict[fx.Node, fx.Node] = {}
+            with graph.inserting_before(nodes[first]):
+                for view in earlier:
+                    if written_args(view) and view is not owner:  # an in-place op: its result is its input
+                        again[view] = again[aliased_input(view)]
+                        continue
+                    if view is owner:
+                        again[view] = graph.call_function(torch.ops.aten.clone.default, (owner,))
+                        again[view].meta = dict(view.meta)
+                    else:
+                        again[view] = graph.node_copy(view, lambda a: again.get(a, a))
+                    part[again[view].name] = piece
+            for later in nodes[first:]:
+                for view, copy in again.items():
+                    later.replace_input_with(view, copy)
+            for copy in reversed(list(dict.fromkeys(again.values()))):
+                if not copy.users:
+                    graph.erase_node(copy)
 
 
 def reshard_after_call(units: list[Unit]) -> None:
