@@ -15,6 +15,7 @@ nothing can tell a live holder from a dead one, and nothing is refused. Plain Py
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -77,6 +78,8 @@ def claim(root: Path) -> None:
     lock.truncate()
     lock.write(json.dumps(me) + "\n")
     lock.flush()
+    if not _held:
+        atexit.register(release_all)  # a job without partita.shutdown() closes its lock files too
     _held[key] = lock
 
 
