@@ -23,6 +23,7 @@ import partita
 from partita.checkpoint import checksums, export
 from partita.checkpoint.manifest import read_manifest
 from partita.checkpoint.owner import JOB_LOCK
+from partita.checkpoint.unpickling import read_metadata
 from partita.cli.main import main as cli
 from partita.errors import CheckpointError
 from support.checkpoint_cases import trained
@@ -413,3 +414,13 @@ def test_a_data_file_that_is_not_a_regular_file_is_refused_at_once(two_saved):
     with pytest.raises(CheckpointError, match=r"its \.metadata is not a regular file"):
         checksums.verify(latest, read_manifest(latest), [".metadata"])
 
+
+
+def test_a_metadata_fifo_is_refused_at_once_also_unverified(two_saved):
+    """Read without checksums (PARTITA_UNVERIFIED_CHECKPOINTS=on), a FIFO in place of .metadata would block the
+    read forever."""
+    _, latest, _ = two_saved
+    (latest / ".metadata").unlink()
+    os.mkfifo(latest / ".metadata")
+    with pytest.raises(CheckpointError, match=r"\.metadata is not a regular file"):
+        read_metadata(latest)

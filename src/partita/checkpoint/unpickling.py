@@ -65,6 +65,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_metadata(directory: Path) -> Metadata:
     """The DCP metadata of a checkpoint, read without running code, with its data files checked to exist."""
     path = Path(directory) / METADATA
+    if path.exists() and not path.is_file():  # a FIFO or a device (/dev/zero) would block the read or never end
+        raise CheckpointError(f"{path} is not a regular file; the checkpoint is damaged or crafted. Load an earlier "
+                              "checkpoint, or one you trust.")
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
