@@ -5,9 +5,9 @@ import pytest
 
 from test_fidelity import check
 
-# grouped-query attention with sliding and full layers (Gemma 3's two rotary tables), a mixture of experts,
-# a parallel attention and MLP block with partial rotary embeddings
-SAMPLE = ["gemma3_text", "qwen3_moe", "gpt_neox"]
+# a mixture of experts with grouped-query attention, a parallel attention and MLP block with partial rotary
+# embeddings (Gemma 3, under two hash seeds, is in launch/test_hash_seed.py)
+SAMPLE = ["qwen3_moe", "gpt_neox"]
 
 
 @pytest.mark.slow

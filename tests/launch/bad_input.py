@@ -166,10 +166,11 @@ def train_on_rows(rank: int, mine: slice, net: nn.Module, steps: int = 1, **opti
 
 
 def hold_checkpoint_dir(root: str) -> subprocess.Popen:
-    """Another job (one process, its own) that saved into `root` and goes on running until DIR/release exists or
-    this process ends."""
+    """Another job (one process, its own, joined as partita.init() joins it) that saved into `root` and goes on
+    running until DIR/release exists or this process ends."""
     keep = ("PATH", "PYTHONPATH", "OMP_NUM_THREADS", "PARTITA_CACHE_DIR", "PARTITA_PROFILE", "HOME")
     code = ("import os, sys, time, torch, partita\n"
+            "partita.init()\n"
             "net = torch.nn.Linear(8, 1)\n"
             "partita.save(net, torch.optim.SGD(net.parameters(), lr=0.5), sys.argv[1], step=5)\n"
             "while not os.path.exists(sys.argv[2]) and os.getppid() == int(sys.argv[3]):\n"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import partita
+from partita.checkpoint.owner import JOB_LOCK
 from launch.harness import BIN, SCRIPT, check, env, losses, output, rank0_logs
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,7 @@ def trained(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("trained")
     proc, _ = partita_run(run)
     assert proc.returncode == 0, output(proc)
-    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["latest", "step-000002", "step-000004", "step-000006"]
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == [".partita-job", "latest", "step-000002", "step-000004", "step-000006"]
     return run
 
 
@@ -53,8 +54,9 @@ def damage(data_file: Path) -> None:
 
 
 def digests(root: Path) -> dict[str, str]:
+    """Every checkpoint file's digest; not the job lock's, which names whichever job holds the directory."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != JOB_LOCK}
 
 
 def test_a_damaged_latest_checkpoint_is_skipped_for_the_one_before(run_dir):
@@ -73,7 +75,7 @@ def test_a_damaged_latest_checkpoint_is_skipped_for_the_one_before(run_dir):
     assert len(aside) == 1 and digests(aside[0]) == damaged
     assert f"kept {ckpt / 'step-000006'}, which could not be resumed from, as {aside[0]}" in logs, logs
     assert partita.latest_checkpoint(ckpt) == str(ckpt / "step-000008")
-    assert sorted(p.name for p in ckpt.iterdir() if p != aside[0]) == ["latest", "step-000004", "step-000006",
+    assert sorted(p.name for p in ckpt.iterdir() if p != aside[0]) == [".partita-job", "latest", "step-000004", "step-000006",
                                                                        "step-000008"]
     assert [r["step"] for r in losses(run_dir)] == [0, 1, 2, 3, 4, 5, 4, 5, 6, 7]
     check(run_dir, RANKS, steps=8)  # steps 4 and 5, computed twice, came out the same

@@ -27,7 +27,7 @@ def seeds(run_dir) -> list[dict]:
     return [json.loads((run_dir / f"seed-{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("model", ["kinds", "gemma3"])
+@pytest.mark.parametrize("model", ["kinds"])  # the seed does not depend on the model; Gemma 3 below
 def test_partita_run_gives_every_rank_one_hash_seed_and_one_process_losses(tmp_path, model):
     proc = subprocess.run([str(BIN / "partita"), "run", "-n", "2", "--log-dir", str(tmp_path / "logs"), SCRIPT,
                            str(tmp_path), model], capture_output=True, text=True, env=unseeded_env(), timeout=300)

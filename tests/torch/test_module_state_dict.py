@@ -22,3 +22,4 @@ def test_the_state_of_a_model_not_made_yet_is_refused_and_whole_once_it_is():
     state = model.module.state_dict()
     assert not any(t.is_meta for t in state.values())
     assert all(torch.equal(state[n], t) for n, t in model.state_dict().items())
+    partita.shutdown()  # later tests in this process start outside any job

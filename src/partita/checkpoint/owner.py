@@ -30,6 +30,7 @@ JOB_LOCK = ".partita-job"
 _UNNAMED = {"", "none"}  # torchrun's run id when none was given: the same for every job
 
 _held: dict[Path, IO] = {}  # root -> its lock file, open (and so locked) until `release_all`
+_resumed: set[Path] = set()  # roots partita.elastic holds
 
 
 def job_id(environ: dict | None = None) -> str | None:
@@ -83,11 +84,24 @@ def claim(root: Path) -> None:
     _held[key] = lock
 
 
+def release_after_save(root: Path) -> None:
+    """A process outside any job (no process group: a script or notebook saving a model) holds `root` only while it
+    saves, unless it holds it for `partita.elastic`: it would otherwise keep every job it starts from using it."""
+    if root.resolve() in _held and root.resolve() not in _resumed:
+        _held.pop(root.resolve()).close()
+
+
+def held_for_resuming(root: Path) -> None:
+    """`root` is this process's for its whole run (partita.elastic): saves do not let go of it."""
+    _resumed.add(root.resolve())
+
+
 def release_all() -> bool:
     """Let go of every directory this process holds (the job leaves). True: `launch.env.before_leaving`'s
     protocol, this never keeps ranks from leaving together."""
     while _held:
         _held.popitem()[1].close()
+    _resumed.clear()
     return True
 
 

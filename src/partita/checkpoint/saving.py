@@ -70,6 +70,8 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
                            what)
     finally:
         lock.release()
+    if not dist.is_initialized():
+        owner.release_after_save(root)
     return str(final)
 
 

@@ -62,7 +62,8 @@ class Elastic:
             # every rank finds the same problem; leaving together spares a rank still joining a reset connection
             self.local_batch = _local_batch(global_batch, world.world_size) if global_batch is not None else None
             # before reading: a live job's checkpoints are its run, not this job's to resume
-            from_rank0(lambda: owner.claim(Path(self.path)), f"partita.elastic(path={self.path!r})")
+            from_rank0(lambda: (owner.claim(Path(self.path)), owner.held_for_resuming(Path(self.path))),
+                       f"partita.elastic(path={self.path!r})")
             env.before_leaving(owner.release_all)
             self._resume_from_newest_usable()
         except CheckpointError:

@@ -101,15 +101,14 @@ class DataParallel(Runtime):
                 (sum(t.sum() for t in leaves) * 0.0).backward()
 
     def _unreached_anywhere(self, call: Call) -> bool:
-        """Whether, on any rank, a trained parameter has no path to the loss (to the outputs, where the user computes
-        the loss) in this call's autograd graph: a value that reaches the outputs only detached, or through an
-        argmax. The captured graph reads it, but DDP, waiting for its gradient, would never finish the backward's
-        reduction (the previous step's gradients left unsummed, then torch's advice of an option partita sets)."""
+        """Whether, on any rank, a trained parameter has no path to the outputs in this call's autograd graph: a
+        value that reaches them only detached, or through an argmax. The captured graph reads it, but DDP, waiting
+        for its gradient, would never finish the backward's reduction (the previous step's gradients left unsummed,
+        then torch's advice of an option partita sets). The loss is not computed: the user's loss_fn runs once per
+        call, as in one process."""
         try:
             with self._undone(), autocast(self.plan.precision, self.device):
-                out = self.module(*call.args, **call.kwargs)
-                value = self.loss.fn(out, call.target) if self.loss is not None else out
-                reached = _reached_parameters(_requiring_grad(value))
+                reached = _reached_parameters(_requiring_grad(self.module(*call.args, **call.kwargs)))
             found = any(p.requires_grad and id(p) not in reached for p in self._params)
         except Exception:  # noqa: BLE001 - the call itself raises it where it fails; here it tells nothing
             found = False
